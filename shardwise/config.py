@@ -1,0 +1,212 @@
+"""Typed configuration: six frozen sections, one help text per field, loaded from TOML / YAML
+and overridden by command-line flags.
+
+Every field's help text lives in ``field(metadata={"help": ...})`` so that the CLI's ``--help``,
+the README and error messages are generated from one place. Field names are unique across
+sections, so each field has exactly one flag: ``--<name-with-dashes>`` (``--n-layer``).
+
+Validation (:func:`validate`) runs before any process is started and before any collective, and
+raises :class:`ConfigError`, whose message names the field, the value and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+STRATEGIES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "tp", "pp", "3d", "ps", "auto")
+DATASETS = ("stdlib", "digits", "mnist", "fashion-mnist", "synthetic")
+
+
+def _f(default: Any, help: str, choices: tuple | None = None):
+    """A dataclass field with its help text (and allowed values) attached."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = _f("gpt", "reference model: a decoder-only transformer or seed 001's LeNet",
+                   ("gpt", "lenet"))
+    n_layer: int = _f(4, "GPT: number of transformer blocks")
+    n_embd: int = _f(128, "GPT: model width (hidden size)")
+    n_head: int = _f(4, "GPT: attention heads; must divide n_embd (and be divisible by tp)")
+    block_size: int = _f(128, "GPT: sequence length in tokens")
+    vocab_size: int = _f(256, "GPT: vocabulary size (256 = byte-level tokens)")
+    dropout: float = _f(0.0, "GPT: dropout probability (0 keeps runs bit-comparable)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = _f("stdlib", "stdlib = the Python standard library's own source (bytes); digits ="
+                      " scikit-learn's handwritten digits; mnist / fashion-mnist = IDX files in"
+                      " data_dir; synthetic = random tokens for benchmarks", DATASETS)
+    data_dir: str = _f("", "directory holding the MNIST / Fashion-MNIST IDX files (.gz or raw)")
+    max_bytes: int = _f(4_000_000, "stdlib corpus: read at most this many bytes of source")
+    val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    strategy: str = _f("ddp", "how the work is split across processes", STRATEGIES)
+    nproc_per_node: int = _f(0, "processes to start on this machine; 0 = one per GPU, or 2 on CPU")
+    dp: int = _f(0, "data-parallel size; 0 = whatever the world size leaves after tp and pp")
+    tp: int = _f(1, "tensor-parallel size (innermost mesh axis)")
+    pp: int = _f(1, "pipeline-parallel size (outermost mesh axis)")
+    allreduce: str = _f("native", "gradient allreduce: the backend's own, or shardwise's ring",
+                        ("native", "ring"))
+    bucket_mb: float = _f(25.0, "DDP / ZeRO gradient bucket size in MB")
+    overlap: bool = _f(True, "launch each bucket's reduction during backward (off: after it)")
+    find_unused: bool = _f(False, "DDP: tolerate parameters that get no gradient in a step")
+    grad_compression: str = _f("none", "cast gradients for the allreduce", ("none", "bf16", "fp16"))
+    replicas: int = _f(2, "single-process DP (strategy dp): number of model replicas")
+    num_microbatches: int = _f(4, "pipeline: micro-batches per step")
+    schedule: str = _f("1f1b", "pipeline schedule", ("gpipe", "1f1b"))
+    stage_layers: str = _f("", "pipeline: blocks per stage, e.g. '1,3'; empty = balanced")
+    zero1_over_dp: bool = _f(False, "3d: shard optimizer states over the dp axis (ZeRO-1)")
+    num_ps: int = _f(1, "parameter server: number of ps tasks")
+    num_workers: int = _f(0, "parameter server: number of worker tasks; 0 = world - num_ps")
+    ps_mode: str = _f("sync", "parameter server update rule", ("sync", "async", "ssp"))
+    staleness: int = _f(2, "ssp: how many versions a worker may run ahead of the slowest")
+    straggler: str = _f("", "inject delay: 'WORKER:FACTOR[,WORKER:FACTOR]', e.g. '1:3'")
+    on_worker_failure: str = _f("stop", "ps sync mode: stop the job or continue with the rest",
+                                ("stop", "continue"))
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    grad_accum: int = _f(1, "micro-steps whose gradients are summed before one optimizer step")
+    mixed_precision: str = _f("no", "autocast dtype for forward/backward", ("no", "bf16", "fp16"))
+    offload: str = _f("none", "ZeRO: where optimizer states and master weights live",
+                      ("none", "cpu", "disk"))
+    offload_dir: str = _f("", "offload=disk: directory for memory-mapped state; empty = temp dir")
+    activation_checkpointing: bool = _f(False, "recompute each block's activations in backward")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _f(200, "optimizer steps to run")
+    batch_size: int = _f(16, "global batch (sequences or images per step, all ranks together)")
+    lr: float = _f(3e-3, "peak learning rate")
+    optimizer: str = _f("adamw", "optimizer", ("adamw", "adam", "sgd"))
+    weight_decay: float = _f(0.0, "weight decay (AdamW: decoupled)")
+    warmup_steps: int = _f(20, "linear learning-rate warmup steps")
+    lr_schedule: str = _f("cosine", "after warmup: cosine decay to 10% or constant",
+                          ("cosine", "constant"))
+    eval_every: int = _f(50, "evaluate on held-out data every N steps (0 = only at the end)")
+    eval_batches: int = _f(8, "batches per evaluation")
+    seed: int = _f(0, "seed for weights and data order")
+    device: str = _f("auto", "auto = cuda when present, else cpu", ("auto", "cpu", "cuda"))
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    out_dir: str = _f("runs", "directory for metrics.jsonl, summary.json and pictures")
+    run_name: str = _f("", "sub-directory name; empty = strategy and timestamp")
+    progress: bool = _f(True, "progress bar on rank 0")
+    log_every: int = _f(10, "write a metrics line every N steps")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+
+
+class ConfigError(ValueError):
+    """A bad setting: the message names the field, the value and the fix."""
+
+    def __init__(self, field_name: str, value: Any, why: str, fix: str):
+        self.field_name, self.value, self.why, self.fix = field_name, value, why, fix
+        super().__init__(f"{field_name} = {value!r}: {why}; fix: {fix}")
+
+
+def section_fields():
+    """Yield (section_name, dataclasses.Field) for every field of every section."""
+    for sec in fields(Config):
+        cls = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig,
+               "memory": MemoryConfig, "train": TrainConfig, "logging": LoggingConfig}[sec.name]
+        for f in fields(cls):
+            yield sec.name, f
+
+
+def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
+    """Turn a file or flag value into the field's type, or raise ConfigError."""
+    kind = type(f.default)
+    name = f"{section}.{f.name}"
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(name, value, "not a boolean", "use true or false")
+    try:
+        if kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        if kind is float:
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(name, value, f"not a{'n' if kind is int else ''} {kind.__name__}",
+                          f"give a number, e.g. {f.default}") from None
+    return str(value)
+
+
+def from_dict(data: dict, base: Config | None = None) -> Config:
+    """Build a Config from nested ``{section: {field: value}}`` (unknown keys are errors)."""
+    cfg = base or Config()
+    known = {s: {f.name: f for _, f in section_fields() if _ == s} for s in SECTIONS}
+    for sec, values in data.items():
+        if sec not in known:
+            raise ConfigError(sec, "...", "unknown section", f"use one of {', '.join(known)}")
+        if not isinstance(values, dict):
+            raise ConfigError(sec, values, "a section must be a table", f"write [{sec}] then fields")
+        updates = {}
+        for key, value in values.items():
+            key = key.replace("-", "_")
+            if key not in known[sec]:
+                raise ConfigError(f"{sec}.{key}", value, "unknown field",
+                                  f"use one of {', '.join(known[sec])}")
+            updates[key] = _coerce(sec, known[sec][key], value)
+        cfg = replace(cfg, **{sec: replace(getattr(cfg, sec), **updates)})
+    return cfg
+
+
+def load_file(path: str, base: Config | None = None) -> Config:
+    """Load a TOML (.toml) or YAML (.yaml / .yml) file into a Config."""
+    if not os.path.isfile(path):
+        raise ConfigError("--config", path, "no such file", "give the path of a .toml or .yaml file")
+    try:
+        if path.endswith(".toml"):
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        elif path.endswith((".yaml", ".yml")):
+            import yaml
+            with open(path) as fh:
+                data = yaml.safe_load(fh) or {}
+        else:
+            raise ConfigError("--config", path, "unknown file type", "use a .toml or .yaml file")
+    except ConfigError:
+        raise
+    except Exception as exc:  # a parse error: say where, without a traceback
+        raise ConfigError("--config", path, f"cannot be parsed ({exc})", "fix the file's syntax") from None
+    return from_dict(data, base)
+
+
+def to_dict(cfg: Config) -> dict:
+    """The nested plain-dict form (what summary.json records)."""
+    return dataclasses.asdict(cfg)

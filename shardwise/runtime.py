@@ -1,0 +1,93 @@
+"""The process's runtime: backend, device, process group, mesh and communication meter.
+
+``init_runtime`` joins the world that a launcher described in the environment (torchrun, or
+anything that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; SLURM's SLURM_PROCID /
+SLURM_NTASKS are mapped when MASTER_ADDR is set), picks nccl where CUDA is present and gloo
+otherwise, and builds the mesh. Without a launcher it is a world of one: no process group at all.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm.collectives import Comm, CommMeter
+from shardwise.config import Config
+from shardwise.mesh import Mesh
+
+
+@dataclass
+class Runtime:
+    mesh: Mesh
+    comm: Comm
+    device: torch.device
+    backend: str | None
+    local_rank: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.mesh.rank == 0
+
+
+def launcher_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the launcher's environment; (0, 1, 0) without one."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env and "MASTER_ADDR" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env.get("SLURM_NTASKS", "1")
+        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    if "RANK" not in env:
+        return 0, 1, 0
+    return int(env["RANK"]), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0"))
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device = 'cuda' but no CUDA device is visible; use --device cpu")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) -> Runtime:
+    """Join the launcher's world (if any) and build the (pp, dp, tp) mesh for ``cfg``.
+
+    mesh_sizes: (pp, dp, tp) to use instead of the config's (the ps strategy lays the world out
+    as one dp axis).
+    """
+    if dist.is_initialized():  # a world someone else started (a test harness, a user script)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    else:
+        rank, world_size, local_rank = launcher_world()
+    device = pick_device(cfg.train.device, local_rank)
+    backend = None
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+    elif dist.is_initialized():
+        backend = dist.get_backend()
+    if mesh_sizes is None:
+        from shardwise.validate import resolve_dp
+        p = cfg.parallel
+        mesh_sizes = (1, world_size, 1) if p.strategy == "ps" else (p.pp, resolve_dp(cfg, world_size), p.tp)
+    mesh = Mesh.build(*mesh_sizes)
+    return Runtime(mesh=mesh, comm=Comm(CommMeter()), device=device, backend=backend,
+                   local_rank=local_rank)
+
+
+def shutdown(rt: Runtime) -> None:
+    """Leave the world cleanly (every rank reaches this point)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

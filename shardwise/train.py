@@ -1,0 +1,162 @@
+"""The one training loop every strategy runs.
+
+Per step: learning rate from the schedule -> this process's shard of the global batch ->
+``strategy.train_step`` -> metrics. Evaluation every ``eval_every`` steps and at the end.
+Rank 0 shows a progress bar, writes ``metrics.jsonl`` (every ``log_every`` steps and the last)
+and ``summary.json``, and prints the summary table. Per-rank figures (peak memory, bytes sent)
+are gathered to rank 0 with one small object collective per logged step (metered as 'objects',
+left out of the traffic figures).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from shardwise.api import Engine, optimizer_factory, prepare
+from shardwise.config import Config, to_dict
+from shardwise.data import build_data
+from shardwise.metrics import JsonlWriter, device_peak_flops, peak_memory_bytes, print_summary
+from shardwise.models import build_model, loss_for
+from shardwise.runtime import Runtime, init_runtime
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to train.lr, then cosine decay to 10% of it (or constant)."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    if t.lr_schedule == "constant":
+        return t.lr
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def run_dir(cfg: Config) -> str:
+    name = cfg.logging.run_name or f"{cfg.parallel.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return os.path.join(cfg.logging.out_dir, name)
+
+
+def evaluate(engine: Engine, data, cfg: Config) -> tuple[float, float | None]:
+    """Mean validation loss (and accuracy) over ``eval_batches`` fixed global batches."""
+    index, count = engine.strategy.data_shard()
+    losses, accs = [], []
+    for i in range(cfg.train.eval_batches):
+        x, y = data.batch(i, cfg.train.batch_size, index, count, split="val")
+        loss, acc = engine.evaluate(x, y)
+        losses.append(loss)
+        if acc is not None:
+            accs.append(acc)
+    return sum(losses) / len(losses), (sum(accs) / len(accs) if accs else None)
+
+
+class _Progress:
+    """A rich progress bar on rank 0 (nothing elsewhere, or when disabled)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+            self.task = self.bar.add_task("train", total=total, info="")
+            self.bar.start()
+
+    def update(self, info: str) -> None:
+        if self.bar:
+            self.bar.update(self.task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.stop()
+
+
+def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -> dict:
+    """Train ``cfg`` in the current world and return the summary (also written to summary.json)."""
+    rt = runtime or init_runtime(cfg)
+    data = build_data(cfg)
+    model = build_model(cfg.model, cfg.train.seed)
+    flops_per_item = model.flops_per_token() if hasattr(model, "flops_per_token") else None
+    engine = prepare(model, optimizer_factory(cfg), cfg, loss_fn=loss_for(cfg.model), runtime=rt)
+    index, count = engine.strategy.data_shard()
+    items = cfg.train.batch_size * (cfg.model.block_size if data.kind == "tokens" else 1)
+    out = run_dir(cfg)
+    main = rt.is_main
+    writer = JsonlWriter(os.path.join(out, "metrics.jsonl") if main else None)
+    bar = _Progress(main and cfg.logging.progress and not quiet, cfg.train.steps)
+    peak = device_peak_flops(rt.device)
+    losses, step_times, val = [], [], (None, None)
+    start = time.perf_counter()
+    try:
+        for step in range(cfg.train.steps):
+            lr = lr_at(step, cfg)
+            engine.strategy.set_lr(lr)
+            x, y = data.batch(step, cfg.train.batch_size, index, count)
+            sent0 = rt.comm.meter.total().bytes_sent
+            t0 = time.perf_counter()
+            loss = engine.train_step(x, y)
+            dt = time.perf_counter() - t0
+            losses.append(loss)
+            step_times.append(dt)
+            last = step == cfg.train.steps - 1
+            if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or last:
+                val = evaluate(engine, data, cfg)
+            if (step + 1) % cfg.logging.log_every == 0 or last:
+                record = _record(step, loss, lr, dt, items, flops_per_item, peak, val, rt,
+                                 rt.comm.meter.total().bytes_sent - sent0)
+                writer.write(record)
+            bar.update(f"loss {loss:.3f}" + (f" val {val[0]:.3f}" if val[0] is not None else ""))
+    finally:
+        bar.close()
+        writer.close()
+    summary = _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak,
+                       time.perf_counter() - start)
+    if main:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "summary.json"), "w") as fh:
+            json.dump({**summary, "config": to_dict(cfg)}, fh, indent=2)
+        if not quiet:
+            print_summary(summary)
+            print(f"metrics: {os.path.join(out, 'metrics.jsonl')}  summary: {os.path.join(out, 'summary.json')}")
+    summary["engine"] = engine
+    return summary
+
+
+def _per_rank(rt: Runtime, value) -> list:
+    return rt.comm.all_gather_object(value, rt.mesh.world)
+
+
+def _record(step, loss, lr, dt, items, flops_per_item, peak, val, rt, sent) -> dict:
+    """One metrics.jsonl line; per-rank figures gathered from every rank."""
+    mems = _per_rank(rt, peak_memory_bytes(rt.device))
+    sents = _per_rank(rt, sent)
+    rate = items / dt
+    return {
+        "step": step + 1, "loss": loss, "lr": lr, "step_seconds": dt, "items_per_second": rate,
+        "mfu": (rate * flops_per_item / (peak * rt.world_size)) if (peak and flops_per_item) else None,
+        "val_loss": val[0], "val_accuracy": val[1],
+        "peak_memory_per_rank": mems, "bytes_sent_per_rank": sents,
+    }
+
+
+def _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak, wall) -> dict:
+    steps = len(losses)
+    # the first steps pay one-time costs (allocations, lazy init): leave them out of the median
+    steady = step_times[min(2, steps - 1):]
+    rate = items / statistics.median(steady)
+    meter = rt.comm.meter
+    sent_per_step = meter.total().bytes_sent / max(1, steps)
+    return {
+        "strategy": cfg.parallel.strategy, "world_size": rt.world_size, "steps": steps,
+        "losses": losses, "final_loss": losses[-1], "val_loss": val[0], "val_accuracy": val[1],
+        "throughput": rate, "throughput_unit": "tokens" if cfg.model.name == "gpt" else "samples",
+        "mfu": (rate * flops_per_item / (peak * rt.world_size)) if (peak and flops_per_item) else None,
+        "wall_seconds": wall,
+        "peak_memory_per_rank": _per_rank(rt, peak_memory_bytes(rt.device)),
+        "bytes_sent_per_rank": _per_rank(rt, sent_per_step),
+        "comm": meter.snapshot(), "ledger": engine.strategy.memory_ledger(),
+    }

@@ -1,0 +1,144 @@
+"""Check a Config against itself and the world it will run in, before anything starts.
+
+Each check raises :class:`~shardwise.config.ConfigError` naming the field, the value and the fix.
+The world size is known before launch (nproc_per_node x nnodes, or WORLD_SIZE under a launcher),
+so a bad layout never reaches a collective.
+"""
+from __future__ import annotations
+
+import os
+
+from shardwise.config import Config, ConfigError, section_fields
+
+# Strategies that run as one process (no torch.distributed world).
+SINGLE_PROCESS = ("single", "dp")
+
+
+def _choices(cfg: Config) -> None:
+    for sec, f in section_fields():
+        choices = f.metadata.get("choices")
+        value = getattr(getattr(cfg, sec), f.name)
+        if choices and value not in choices:
+            raise ConfigError(f"{sec}.{f.name}", value, "not a known choice",
+                              f"choose one of {', '.join(choices)}")
+
+
+def _positive(cfg: Config) -> None:
+    must_be_positive = {
+        "model.n_layer": cfg.model.n_layer, "model.n_embd": cfg.model.n_embd,
+        "model.n_head": cfg.model.n_head, "model.block_size": cfg.model.block_size,
+        "model.vocab_size": cfg.model.vocab_size, "train.steps": cfg.train.steps,
+        "train.batch_size": cfg.train.batch_size, "train.eval_batches": cfg.train.eval_batches,
+        "parallel.tp": cfg.parallel.tp, "parallel.pp": cfg.parallel.pp,
+        "parallel.replicas": cfg.parallel.replicas, "parallel.num_ps": cfg.parallel.num_ps,
+        "parallel.num_microbatches": cfg.parallel.num_microbatches,
+        "memory.grad_accum": cfg.memory.grad_accum, "logging.log_every": cfg.logging.log_every,
+        "data.max_bytes": cfg.data.max_bytes,
+    }
+    for name, value in must_be_positive.items():
+        if value <= 0:
+            raise ConfigError(name, value, "must be positive", "give a number > 0")
+    non_negative = {"train.warmup_steps": cfg.train.warmup_steps,
+                    "train.eval_every": cfg.train.eval_every, "parallel.dp": cfg.parallel.dp,
+                    "parallel.nproc_per_node": cfg.parallel.nproc_per_node,
+                    "parallel.num_workers": cfg.parallel.num_workers,
+                    "parallel.staleness": cfg.parallel.staleness,
+                    "parallel.bucket_mb": cfg.parallel.bucket_mb,
+                    "train.weight_decay": cfg.train.weight_decay}
+    for name, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(name, value, "must not be negative", "give a number >= 0")
+    if not cfg.train.lr > 0:
+        raise ConfigError("train.lr", cfg.train.lr, "must be positive", "try 3e-3")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ConfigError("model.dropout", cfg.model.dropout, "must be in [0, 1)", "try 0.0")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError("data.val_fraction", cfg.data.val_fraction, "must be in (0, 1)", "try 0.05")
+
+
+def _model(cfg: Config) -> None:
+    m = cfg.model
+    if m.name == "gpt" and m.n_embd % m.n_head:
+        raise ConfigError("model.n_head", m.n_head, f"does not divide n_embd={m.n_embd}",
+                          "pick n_head so that n_embd / n_head is whole")
+    if m.name == "gpt" and m.n_head % cfg.parallel.tp:
+        raise ConfigError("parallel.tp", cfg.parallel.tp, f"does not divide n_head={m.n_head}",
+                          "pick a tp that divides the number of heads")
+    if m.name == "lenet" and cfg.data.dataset in ("stdlib", "synthetic"):
+        raise ConfigError("data.dataset", cfg.data.dataset, "LeNet needs an image data set",
+                          "use --dataset digits, mnist or fashion-mnist")
+    if m.name == "gpt" and cfg.data.dataset in ("digits", "mnist", "fashion-mnist"):
+        raise ConfigError("data.dataset", cfg.data.dataset, "the GPT needs a token corpus",
+                          "use --model lenet for images, or --dataset stdlib")
+    if cfg.parallel.pp > 1 and m.n_layer < cfg.parallel.pp:
+        raise ConfigError("parallel.pp", cfg.parallel.pp, f"more stages than n_layer={m.n_layer}",
+                          "use pp <= n_layer")
+
+
+def _data(cfg: Config) -> None:
+    d = cfg.data
+    if d.dataset in ("mnist", "fashion-mnist"):
+        if not d.data_dir:
+            raise ConfigError("data.data_dir", d.data_dir, f"{d.dataset} needs its IDX files",
+                              "pass --data-dir DIR holding train-images-idx3-ubyte(.gz) etc.")
+        if not os.path.isdir(d.data_dir):
+            raise ConfigError("data.data_dir", d.data_dir, "no such directory",
+                              "give an existing directory holding the IDX files")
+    elif d.data_dir and not os.path.isdir(d.data_dir):
+        raise ConfigError("data.data_dir", d.data_dir, "no such directory",
+                          "give an existing directory, or leave it empty")
+
+
+def resolve_dp(cfg: Config, world_size: int) -> int:
+    """The data-parallel size: given, or what the world leaves after tp and pp."""
+    p = cfg.parallel
+    if p.strategy == "ps":
+        return 1
+    if p.dp:
+        return p.dp
+    rest = p.tp * p.pp
+    if world_size % rest:
+        raise ConfigError("parallel.tp", p.tp, f"tp x pp = {rest} does not divide the world size"
+                          f" {world_size}", "choose sizes whose product divides the process count")
+    return world_size // rest
+
+
+def _layout(cfg: Config, world_size: int) -> None:
+    p = cfg.parallel
+    if p.strategy in SINGLE_PROCESS:
+        return
+    if p.strategy == "ps":
+        workers = p.num_workers or world_size - p.num_ps
+        if workers < 1 or p.num_ps + workers != world_size:
+            raise ConfigError("parallel.num_workers", p.num_workers,
+                              f"num_ps={p.num_ps} + num_workers={workers} != world size {world_size}",
+                              "set --nproc-per-node to num_ps + num_workers")
+        return
+    dp = resolve_dp(cfg, world_size)
+    if dp * p.tp * p.pp != world_size:
+        raise ConfigError("parallel.dp", dp, f"dp x tp x pp = {dp}x{p.tp}x{p.pp} = "
+                          f"{dp * p.tp * p.pp} != world size {world_size}",
+                          "make the product equal the number of processes (--nproc-per-node)")
+    per_rank = cfg.train.batch_size // (dp * cfg.memory.grad_accum)
+    if cfg.train.batch_size % (dp * cfg.memory.grad_accum) or per_rank == 0:
+        raise ConfigError("train.batch_size", cfg.train.batch_size,
+                          f"not divisible by dp x grad_accum = {dp}x{cfg.memory.grad_accum}",
+                          "use a multiple of dp x grad_accum")
+    if p.pp > 1 and per_rank % p.num_microbatches:
+        raise ConfigError("parallel.num_microbatches", p.num_microbatches,
+                          f"does not divide the per-rank batch {per_rank}",
+                          "pick a divisor of batch_size / (dp x grad_accum)")
+
+
+def validate(cfg: Config, world_size: int) -> Config:
+    """Raise ConfigError on the first bad setting; return cfg unchanged when all is well."""
+    _choices(cfg)
+    _positive(cfg)
+    _model(cfg)
+    _data(cfg)
+    if cfg.parallel.strategy == "dp" and cfg.train.batch_size % cfg.parallel.replicas:
+        raise ConfigError("train.batch_size", cfg.train.batch_size,
+                          f"not divisible by replicas={cfg.parallel.replicas}",
+                          "use a multiple of the replica count")
+    _layout(cfg, world_size)
+    return cfg
