@@ -37,3 +37,11 @@ def run(cfg: Config) -> tuple[list[float], dict]:
 def single_run(cfg: Config) -> tuple[list[float], dict]:
     """The same config under the single strategy, in this process."""
     return run(replace(cfg, parallel=replace(cfg.parallel, strategy="single", dp=0, tp=1, pp=1)))
+
+# Tolerances for fp32 equivalence under Adam, and why:
+# RTOL 1e-5: strategies sum the same gradients in another order (ranks, buckets, replicas), which
+#   changes the last bits of fp32 sums; after 10-20 steps that stays within ~100 ulps.
+# ATOL 1e-5: Adam divides each gradient element by its own running RMS, so an element whose
+#   gradient is near zero turns reordering noise into an update of up to lr; 1e-5 is 0.1% of one
+#   step at tiny_config's lr 1e-2 — any real error (a wrong shard, a missing average) is >= 1e-3.
+RTOL, ATOL = 1e-5, 1e-5

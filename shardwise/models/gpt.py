@@ -29,7 +29,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)   # q, k, v stacked on dim 0 of weight
+        # q, k, v stacked on dim 0 of the weight. No bias: the key bias gets an exactly-zero
+        # gradient (it adds the same q.b to every score of a row; softmax ignores that), and Adam
+        # would turn its rounding noise into full-size updates that no two runs share.
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
 

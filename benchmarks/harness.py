@@ -1,0 +1,72 @@
+"""The benchmark contract: a Row pairs a shardwise configuration with its PyTorch peer.
+
+A side is a function ``fn(rank, world_size, **args) -> dict`` run in a fresh forked gloo world
+of ``world`` processes (shardwise.testing.run_world). It returns rank-local figures; the runner
+keeps rank 0's dict and adds ``peak_rss_per_rank`` (each process's peak resident memory). Keys the
+runner understands (all optional but ``items_per_s``):
+
+    items_per_s     tokens/s (or samples/s) of the whole world, steady state (median step)
+    peak_mem        bytes: the side's own peak-memory figure per rank (e.g. CUDA or ledger)
+    bytes_sent      bytes sent per step by rank 0 (shardwise's comm meter; for peers, estimate)
+    extra           anything else worth recording (a dict)
+
+The runner alternates the two sides (ours, peer, ours, peer, ...) ``reps`` times, so drift in the
+machine's speed hits both equally, and reports medians and ratios ours / peer.
+"""
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    ours: Callable
+    peer: Callable | None
+    world: int = 1
+    args: dict = field(default_factory=dict)
+    goal: str = ""        # what the issue asks, in words, e.g. "ratio >= 0.98"
+    peer_name: str = ""   # what the peer is, e.g. "plain PyTorch loop"
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def timed_steps(step_fn: Callable[[], None], steps: int, warmup: int = 2) -> float:
+    """Median seconds per call of ``step_fn`` after ``warmup`` untimed calls."""
+    import statistics
+    import time
+    for _ in range(warmup):
+        step_fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step_fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gpt_bench_config(strategy: str = "single", **overrides):
+    """The benchmark GPT of DESIGN.md: 4 layers, width 256, seq 128, byte vocab (3.3M params)."""
+    from dataclasses import replace
+    from shardwise.config import (Config, DataConfig, LoggingConfig, ModelConfig,
+                                  ParallelConfig, TrainConfig)
+    cfg = Config(model=ModelConfig(n_layer=4, n_embd=256, n_head=4, block_size=128, vocab_size=256),
+                 data=DataConfig(dataset="synthetic"), parallel=ParallelConfig(strategy=strategy),
+                 train=TrainConfig(steps=12, batch_size=8, lr=1e-3, eval_every=0, eval_batches=1,
+                                   warmup_steps=1, device="cpu"),
+                 logging=LoggingConfig(progress=False, out_dir="/tmp/shardwise-bench-runs"))
+    for section, values in overrides.items():
+        cfg = replace(cfg, **{section: replace(getattr(cfg, section), **values)})
+    return cfg
+
+
+def threads_for(world: int) -> None:
+    """Share this machine's cores between the ranks of a world."""
+    import os
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -1,0 +1,1 @@
+"""Benchmark rows, one module per strategy family; each module defines ``ROWS: list[Row]``."""

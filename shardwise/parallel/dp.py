@@ -1,0 +1,118 @@
+"""Single-process data parallelism: seed 001's "from scratch" scheme, one process, k replicas.
+
+Partition: the model is replicated k times (one replica per CUDA device when there are k, else
+k CPU replicas), each with its own optimizer; the global batch is scattered into k equal row
+blocks. One Python thread drives each replica's forward and backward (torch releases the GIL
+inside its kernels, so replicas run concurrently where the hardware allows).
+
+Collectives (device copies, not torch.distributed): after backward every replica's gradients are
+summed on replica 0 and the sum is broadcast back (seed 001's ``allreduce``: gather to one
+device, add, copy out), divided by k (mean gradient); then every replica runs its own optimizer
+step on identical gradients, so the replicas stay identical.
+
+Memory: k full copies of parameters, gradients and optimizer state in one process.
+Traffic per step: replica 0 receives (k-1) x 4P bytes and sends (k-1) x 4P bytes; metered as
+``dp_reduce`` and ``dp_broadcast`` from replica 0's point of view.
+
+Why DDP beats it (seed 003): one process means one GIL shared by all replica threads, and all
+reduction work happens on replica 0 while the others wait; DDP runs a process per replica and
+spreads the reduction over the ring. Reference: seed 001 (d2l, "Multi-GPU training").
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+
+import torch
+import torch.nn as nn
+
+from shardwise.parallel.base import OptimizerFactory, Strategy, optimizer_state_bytes, tensor_bytes
+
+
+def replica_devices(k: int, device: torch.device) -> list[torch.device]:
+    """k CUDA devices when the machine has them, otherwise k replicas on ``device``."""
+    if device.type == "cuda" and torch.cuda.device_count() >= k:
+        return [torch.device("cuda", i) for i in range(k)]
+    return [device] * k
+
+
+class DataParallelStrategy(Strategy):
+    name = "dp"
+
+    def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
+        k = self.cfg.parallel.replicas
+        self.devices = replica_devices(k, self.device)
+        first = model.to(self.devices[0])
+        self.replicas = [first] + [copy.deepcopy(first).to(d) for d in self.devices[1:]]
+        self.optimizers = [optimizer_factory(list(r.parameters())) for r in self.replicas]
+        self.model, self.optimizer = self.replicas[0], self.optimizers[0]
+        self.pool = cf.ThreadPoolExecutor(max_workers=k, thread_name_prefix="shardwise-dp")
+
+    def data_shard(self) -> tuple[int, int]:
+        return 0, 1  # the one process takes the whole global batch and scatters it itself
+
+    def set_lr(self, lr: float) -> None:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+    def _replica_backward(self, i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of replica i over its rows, in ``grad_accum`` micro-batches."""
+        model, dev = self.replicas[i], self.devices[i]
+        xs, ys = x.chunk(self.grad_accum), y.chunk(self.grad_accum)
+        total = torch.zeros((), device=dev)
+        for xm, ym in zip(xs, ys):
+            loss = self.loss_fn(model(xm.to(dev)), ym.to(dev))
+            (loss / len(xs)).backward()
+            total += loss.detach()
+        return total / len(xs)
+
+    def _allreduce_grads(self) -> None:
+        """Sum every replica's gradients on replica 0, divide by k, copy the mean back out."""
+        k = len(self.replicas)
+        grads = [[p.grad for p in r.parameters() if p.grad is not None] for r in self.replicas]
+        nbytes = tensor_bytes(grads[0])
+        with torch.no_grad():
+            for j, g0 in enumerate(grads[0]):
+                for i in range(1, k):
+                    g0.add_(grads[i][j].to(g0.device))
+                g0.div_(k)
+                for i in range(1, k):
+                    grads[i][j].copy_(g0)
+        self.comm.meter.record("dp_reduce", 0, (k - 1) * nbytes)
+        self.comm.meter.record("dp_broadcast", (k - 1) * nbytes, 0)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        k = len(self.replicas)
+        xs, ys = x.chunk(k), y.chunk(k)   # scatter: replica i gets row block i
+        losses = list(self.pool.map(self._replica_backward, range(k), xs, ys))
+        if k > 1:
+            self._allreduce_grads()
+        list(self.pool.map(lambda opt: opt.step(), self.optimizers))
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return float(sum(loss.to(self.devices[0]) for loss in losses) / k)
+
+    _ONLY_TRAIN_STEP = ("strategy dp drives its replicas itself: call engine.train_step(x, y) "
+                        "instead of engine(x) / engine.backward(loss) / engine.step()")
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise RuntimeError(self._ONLY_TRAIN_STEP)
+
+    def step(self) -> None:
+        raise RuntimeError(self._ONLY_TRAIN_STEP)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for model, opt in zip(self.replicas, self.optimizers):
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+
+    def memory_ledger(self) -> dict[str, int]:
+        params = [p for r in self.replicas for p in r.parameters()]
+        return {"parameters": tensor_bytes(params),
+                "gradients": tensor_bytes(p for p in params if p.requires_grad),
+                "optimizer_states": sum(optimizer_state_bytes(o) for o in self.optimizers),
+                "master_weights": 0, "comm_buffers": 0}
