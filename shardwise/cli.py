@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardwise.config import Config, ConfigError, from_dict, load_file, section_fields
+from shardwise.config import Config, ConfigError, flag_of, from_dict, load_file, section_fields
 
 USAGE = """usage: shardwise COMMAND [options]
 
@@ -21,8 +21,16 @@ commands:
 run 'shardwise COMMAND --help' for the options of each command."""
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (and exit code 2), not a usage dump."""
+
+    def error(self, message: str):
+        print(f"error: {message}; fix: see '{self.prog} --help'", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def train_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="shardwise train", description=(
+    ap = _OneLineParser(prog="shardwise train", description=(
         "Train with one of shardwise's strategies. Values come from the defaults, then --config "
         "FILE (TOML or YAML with sections model, data, parallel, memory, train, logging), then "
         "flags. Multi-process strategies re-run themselves under torchrun unless already "
@@ -32,9 +40,9 @@ def train_parser() -> argparse.ArgumentParser:
     groups = {}
     for sec, f in section_fields():
         g = groups.setdefault(sec, ap.add_argument_group(f"{sec} options"))
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_of(f)
         choices = f.metadata.get("choices")
-        help_text = f"{f.metadata['help']} (default: {f.default!r})"
+        help_text = f"{f.metadata['help']} (default: {f.default!r})".replace("%", "%%")
         if isinstance(f.default, bool):
             g.add_argument(flag, dest=f"{sec}.{f.name}", action=argparse.BooleanOptionalAction,
                            help=help_text)

@@ -3,7 +3,8 @@ and overridden by command-line flags.
 
 Every field's help text lives in ``field(metadata={"help": ...})`` so that the CLI's ``--help``,
 the README and error messages are generated from one place. Field names are unique across
-sections, so each field has exactly one flag: ``--<name-with-dashes>`` (``--n-layer``).
+sections, so each field has exactly one flag: ``--<name-with-dashes>`` (``--n-layer``; the
+model's ``name`` is ``--model``).
 
 Validation (:func:`validate`) runs before any process is started and before any collective, and
 raises :class:`ConfigError`, whose message names the field, the value and the fix.
@@ -19,15 +20,20 @@ STRATEGIES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "tp", "pp", "3d"
 DATASETS = ("stdlib", "digits", "mnist", "fashion-mnist", "synthetic")
 
 
-def _f(default: Any, help: str, choices: tuple | None = None):
-    """A dataclass field with its help text (and allowed values) attached."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _f(default: Any, help: str, choices: tuple | None = None, flag: str | None = None):
+    """A dataclass field with its help text, allowed values and CLI flag name attached."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """The command-line flag of a field: ``--n-layer`` for n_layer (or the field's own)."""
+    return "--" + (f.metadata.get("flag") or f.name.replace("_", "-"))
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = _f("gpt", "reference model: a decoder-only transformer or seed 001's LeNet",
-                   ("gpt", "lenet"))
+                   ("gpt", "lenet"), flag="model")
     n_layer: int = _f(4, "GPT: number of transformer blocks")
     n_embd: int = _f(128, "GPT: model width (hidden size)")
     n_head: int = _f(4, "GPT: attention heads; must divide n_embd (and be divisible by tp)")
@@ -71,6 +77,8 @@ class ParallelConfig:
     straggler: str = _f("", "inject delay: 'WORKER:FACTOR[,WORKER:FACTOR]', e.g. '1:3'")
     on_worker_failure: str = _f("stop", "ps sync mode: stop the job or continue with the rest",
                                 ("stop", "continue"))
+    ps_timeout: float = _f(300.0, "parameter server: seconds without a worker's gradient before"
+                           " that task is declared failed (workers wait twice as long for a ps)")
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,8 @@ class LoggingConfig:
     run_name: str = _f("", "sub-directory name; empty = strategy and timestamp")
     progress: bool = _f(True, "progress bar on rank 0")
     log_every: int = _f(10, "write a metrics line every N steps")
+    schedule_png: str = _f("", "pipeline: picture of the last step's schedule; empty = "
+                           "<run dir>/schedule.png, 'off' = none")
 
 
 @dataclass(frozen=True)

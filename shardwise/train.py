@@ -20,6 +20,7 @@ import torch
 from shardwise.api import Engine, optimizer_factory, prepare
 from shardwise.config import Config, to_dict
 from shardwise.data import build_data
+from shardwise.memory.checkpointing import apply_activation_checkpointing
 from shardwise.metrics import JsonlWriter, device_peak_flops, peak_memory_bytes, print_summary
 from shardwise.models import build_model, loss_for
 from shardwise.runtime import Runtime, init_runtime
@@ -80,6 +81,8 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     rt = runtime or init_runtime(cfg)
     data = build_data(cfg)
     model = build_model(cfg.model, cfg.train.seed)
+    if cfg.memory.activation_checkpointing:
+        apply_activation_checkpointing(model)
     flops_per_item = model.flops_per_token() if hasattr(model, "flops_per_token") else None
     engine = prepare(model, optimizer_factory(cfg), cfg, loss_fn=loss_for(cfg.model), runtime=rt)
     index, count = engine.strategy.data_shard()

@@ -70,6 +70,9 @@ def _model(cfg: Config) -> None:
     if m.name == "gpt" and cfg.data.dataset in ("digits", "mnist", "fashion-mnist"):
         raise ConfigError("data.dataset", cfg.data.dataset, "the GPT needs a token corpus",
                           "use --model lenet for images, or --dataset stdlib")
+    if m.name == "lenet" and cfg.memory.activation_checkpointing:
+        raise ConfigError("memory.activation_checkpointing", True, "LeNet has no transformer blocks",
+                          "drop --activation-checkpointing, or train the GPT")
     if cfg.parallel.pp > 1 and m.n_layer < cfg.parallel.pp:
         raise ConfigError("parallel.pp", cfg.parallel.pp, f"more stages than n_layer={m.n_layer}",
                           "use pp <= n_layer")
@@ -113,6 +116,11 @@ def _layout(cfg: Config, world_size: int) -> None:
             raise ConfigError("parallel.num_workers", p.num_workers,
                               f"num_ps={p.num_ps} + num_workers={workers} != world size {world_size}",
                               "set --nproc-per-node to num_ps + num_workers")
+        if cfg.train.batch_size % workers:
+            raise ConfigError("train.batch_size", cfg.train.batch_size,
+                              f"not divisible by num_workers={workers}", "use a multiple of it")
+        if not p.ps_timeout > 0:
+            raise ConfigError("parallel.ps_timeout", p.ps_timeout, "must be positive", "try 300")
         return
     dp = resolve_dp(cfg, world_size)
     if dp * p.tp * p.pp != world_size:

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from shardwise.comm.collectives import Comm
 from shardwise.config import Config
+from shardwise.memory.amp import autocast_context
 from shardwise.mesh import Mesh
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -68,7 +69,12 @@ class Strategy:
 
     # -- one step -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
+        with self.autocast():
+            return self.model(x)
+
+    def autocast(self):
+        """The mixed-precision context (memory.mixed_precision) every strategy's forward uses."""
+        return autocast_context(self.cfg.memory.mixed_precision, self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -94,7 +100,7 @@ class Strategy:
             last = i == len(xs) - 1
             ctx = contextlib.nullcontext() if last else self.no_sync()
             with ctx:
-                loss = self.loss_fn(self.forward(xm.to(self.device)), ym.to(self.device))
+                loss = self.loss_fn(self.forward(xm.to(self.device)).float(), ym.to(self.device))
                 self.backward(loss / len(xs))
             total += loss.detach()
         self.step()
@@ -116,7 +122,7 @@ class Strategy:
         out = self.forward(x.to(self.device))
         self.model.train()
         y = y.to(self.device)
-        loss = self.loss_fn(out, y)
+        loss = self.loss_fn(out.float(), y)
         acc = None
         if out.dim() == 2:  # classifier logits (B, classes)
             acc = self.reduce_mean((out.argmax(-1) == y).float().mean())

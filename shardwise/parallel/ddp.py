@@ -62,7 +62,8 @@ class DDPStrategy(Strategy):
     # -- backward: launch each bucket's reduction as soon as it is ready ------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.buckets.reset()
-        return self.model(x)
+        with self.autocast():
+            return self.model(x)
 
     def _on_ready(self, bucket: Bucket) -> None:
         if self._sync and self.overlap:

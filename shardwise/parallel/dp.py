@@ -62,7 +62,9 @@ class DataParallelStrategy(Strategy):
         xs, ys = x.chunk(self.grad_accum), y.chunk(self.grad_accum)
         total = torch.zeros((), device=dev)
         for xm, ym in zip(xs, ys):
-            loss = self.loss_fn(model(xm.to(dev)), ym.to(dev))
+            with self.autocast():
+                out = model(xm.to(dev))
+            loss = self.loss_fn(out.float(), ym.to(dev))
             (loss / len(xs)).backward()
             total += loss.detach()
         return total / len(xs)

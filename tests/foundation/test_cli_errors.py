@@ -1,0 +1,81 @@
+"""Every bad value stops before any process starts: one line naming field, value and fix; exit 2."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardwise.cli import main
+
+BAD = [
+    (["--strategy", "fsdp9"], "parallel.strategy = 'fsdp9'", "choose one of"),
+    (["--steps", "-5"], "train.steps = -5", "give a number > 0"),
+    (["--steps", "ten"], "train.steps = 'ten'", "give a number"),
+    (["--strategy", "ddp", "--nproc-per-node", "4", "--dp", "3"], "parallel.dp = 3",
+     "make the product equal the number of processes"),
+    (["--strategy", "tp", "--tp", "3", "--nproc-per-node", "3"], "parallel.tp = 3",
+     "pick a tp that divides the number of heads"),
+    (["--n-head", "5"], "model.n_head = 5", "n_embd / n_head is whole"),
+    (["--dataset", "mnist", "--model", "lenet", "--data-dir", "/no/such/dir"],
+     "data.data_dir = '/no/such/dir'", "give an existing directory"),
+    (["--dataset", "mnist", "--model", "lenet"], "data.data_dir = ''", "--data-dir"),
+    (["--batch-size", "7", "--nproc-per-node", "2"], "train.batch_size = 7", "multiple of dp"),
+    (["--lr", "0"], "train.lr = 0.0", "must be positive"),
+    (["--model", "lenet"], "data.dataset = 'stdlib'", "digits"),
+]
+
+
+@pytest.mark.parametrize("argv,names,fix", BAD)
+def test_bad_value_is_one_clear_line(argv, names, fix, capsys):
+    code = main(["train", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.count("\n") == 0, err
+    assert err.startswith("error: ") and names in err and "fix:" in err and fix in err, err
+
+
+def test_unknown_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--stepz", "3"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--stepz" in err and "fix:" in err
+
+
+def test_bad_config_file(tmp_path, capsys):
+    f = tmp_path / "run.toml"
+    f.write_text("[train]\nstepz = 3\n")
+    assert main(["train", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "train.stepz" in err and "unknown field" in err
+    f.write_text("[train\n")
+    assert main(["train", "--config", str(f)]) == 2
+    assert "cannot be parsed" in capsys.readouterr().err
+    assert main(["train", "--config", str(tmp_path / "none.yaml")]) == 2
+
+
+def test_config_file_then_flags(tmp_path, capsys):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  steps: 7\n  lr: 0.5\nmodel:\n  n_layer: 3\n")
+    assert main(["train", "--config", str(f), "--steps", "9", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert '"steps": 9' in out and '"lr": 0.5' in out and '"n_layer": 3' in out
+
+
+def test_help_documents_every_field(capsys):
+    from shardwise.config import flag_of, section_fields
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for _, f in section_fields():
+        assert flag_of(f) in out, f.name
+
+
+def test_real_process_exit_code_and_no_traceback():
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    p = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--strategy", "nope"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr and p.stderr.startswith("error: parallel.strategy")
+    assert p.stdout == ""  # nothing was launched
