@@ -31,6 +31,7 @@ class Row:
     args: dict = field(default_factory=dict)
     goal: str = ""        # what the issue asks, in words, e.g. "ratio >= 0.98"
     peer_name: str = ""   # what the peer is, e.g. "plain PyTorch loop"
+    peer_world: int | None = None   # the peer's world size when it differs (e.g. 1 process)
 
 
 def peak_rss() -> int:

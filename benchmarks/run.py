@@ -66,7 +66,7 @@ def run_row(row: Row, reps: int) -> dict:
     for _ in range(reps):  # A B A B ...: drift hits both sides alike
         ours.append(_side(row.ours, row.world, row.args))
         if row.peer is not None:
-            peer.append(_side(row.peer, row.world, row.args))
+            peer.append(_side(row.peer, row.peer_world or row.world, row.args))
     out = {"row": row.name, "world": row.world, "reps": reps, "goal": row.goal,
            "peer": row.peer_name, "args": row.args, "machine": machine(),
            "ours": {"items_per_s": _median(ours, "items_per_s"),

@@ -21,7 +21,7 @@ def _train(engine, steps, seed=0):
         loss = engine.loss_fn(engine(xs), ys)
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 

@@ -1,0 +1,57 @@
+"""Plain-PyTorch training steps on shardwise's benchmark GPT: the peers our strategies race.
+
+Each returns the world's tokens/s (median step after warm-up) for the same model, data and
+optimizer as ``gpt_bench_config``, so the only difference from our side is the strategy.
+"""
+from __future__ import annotations
+
+import torch
+
+from benchmarks.harness import threads_for, timed_steps
+from shardwise.data import build_data
+from shardwise.models import build_model, lm_loss
+
+
+def _setup(cfg, rank: int, world: int):
+    threads_for(world)
+    data = build_data(cfg)
+    model = build_model(cfg.model, cfg.train.seed)
+    return data, model
+
+
+def plain_loop_tokens_per_s(cfg, rank: int, world: int, wrap=None, steps: int = 10) -> float:
+    """A textbook loop (forward, loss, backward, AdamW step, zero_grad) around ``wrap(model)``."""
+    data, model = _setup(cfg, rank, world)
+    if wrap is not None:
+        model = wrap(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.train.weight_decay)
+    state = {"step": 0}
+    b = cfg.train.batch_size
+
+    def step():
+        x, y = data.batch(state["step"], b, rank, world)
+        state["step"] += 1
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dt = timed_steps(step, steps)
+    return b * cfg.model.block_size / dt
+
+
+def torch_ddp_tokens_per_s(cfg, rank: int, world: int, bucket_mb: float = 25.0) -> float:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return plain_loop_tokens_per_s(cfg, rank, world, wrap=lambda m: DDP(m, bucket_cap_mb=bucket_mb))
+
+
+def ours_tokens_per_s(cfg, world: int) -> dict:
+    """Run shardwise's own loop on cfg in the current world; its figures."""
+    from shardwise.runtime import init_runtime
+    from shardwise.train import train
+    threads_for(world)
+    rt = init_runtime(cfg)
+    s = train(cfg, rt, quiet=True)
+    steps = s["steps"]
+    return {"items_per_s": s["throughput"], "bytes_sent": rt.comm.meter.total().bytes_sent / steps,
+            "peak_mem": sum(s["ledger"].values()), "extra": {"ledger": s["ledger"], "comm": s["comm"]}}

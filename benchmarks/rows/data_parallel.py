@@ -1,0 +1,96 @@
+"""Data-parallel rows: DDP against torch DDP (overlap on/off, ring), DP against DDP, ring bus
+bandwidth against gloo's own allreduce."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from benchmarks.harness import Row, gpt_bench_config, threads_for
+from benchmarks.peers import ours_tokens_per_s, plain_loop_tokens_per_s, torch_ddp_tokens_per_s
+
+STEPS = 14
+
+
+def ddp(rank, world, **parallel):
+    return ours_tokens_per_s(gpt_bench_config("ddp", parallel=parallel,
+                                              train={"steps": STEPS}), world)
+
+
+def torch_ddp(rank, world, **parallel):
+    return {"items_per_s": torch_ddp_tokens_per_s(gpt_bench_config("ddp"), rank, world,
+                                                  bucket_mb=parallel.get("bucket_mb", 25.0))}
+
+
+def one_process_two_threads(rank, world, **parallel):
+    # world is 1 here: one process, both cores
+    return {"items_per_s": plain_loop_tokens_per_s(gpt_bench_config("single"), rank, world,
+                                                   steps=STEPS - 2)}
+
+
+def ddp_overlap_on(rank, world, **parallel):
+    return ddp(rank, world, **{**parallel, "overlap": True})
+
+
+def dp_replicas(rank, world, **parallel):
+    # one process driving 2 replicas with 2 threads on the 2 cores
+    return ours_tokens_per_s(gpt_bench_config("dp", parallel={"replicas": 2},
+                                              train={"steps": STEPS}), world)
+
+
+def _busbw(fn, group_size: int, nbytes: int, reps: int = 5) -> float:
+    """Bus bandwidth 2(N-1)/N * K / t of one allreduce of K bytes (median of reps)."""
+    import statistics
+    t = torch.ones(nbytes // 4)
+    fn(t)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(t)
+        times.append(time.perf_counter() - t0)
+    return 2 * (group_size - 1) / group_size * nbytes / statistics.median(times)
+
+
+SIZES_MB = [1, 4, 16, 64]
+
+
+def _sweep(world: int, kind: str) -> dict:
+    from shardwise.comm.collectives import Comm
+    from shardwise.comm.ring import ring_all_reduce
+    from shardwise.mesh import Mesh
+    threads_for(world)
+    mesh, comm = Mesh.build(1, world, 1), Comm()
+    if kind == "ring":
+        fn = lambda t: ring_all_reduce(comm, t, mesh.dp_group)
+    else:
+        fn = lambda t: comm.all_reduce(t, mesh.dp_group)
+    table = {mb: _busbw(fn, world, mb * 2**20) for mb in SIZES_MB}
+    return {"items_per_s": table[16], "extra": {"busbw_bytes_per_s_by_mb": table}}
+
+
+def ring_sweep(rank, world):
+    return _sweep(world, "ring")
+
+
+def gloo_sweep(rank, world):
+    return _sweep(world, "native")
+
+
+ROWS = [
+    Row("ddp-vs-torch-ddp", ddp, torch_ddp, world=2, args={"bucket_mb": 25.0},
+        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel"),
+    Row("ddp-ring-vs-torch-ddp", ddp, torch_ddp, world=2, args={"bucket_mb": 25.0, "allreduce": "ring"},
+        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel"),
+    Row("ddp-overlap-off-vs-on", ddp, ddp_overlap_on, world=2, args={"bucket_mb": 1.0, "overlap": False},
+        goal="effect of overlap (ratio < 1 means overlap helps)", peer_name="shardwise DDP, overlap on"),
+    Row("ddp-vs-one-process", ddp, one_process_two_threads, world=2, peer_world=1,
+        args={"bucket_mb": 25.0}, goal="torch DDP reaches 0.90x here (the 2-core limit)",
+        peer_name="one process, 2 threads, plain loop"),
+    Row("dp-vs-ddp", dp_replicas, ddp, world=1, peer_world=2, args={"bucket_mb": 25.0},
+        goal="single-process DP below DDP (GIL, reduction on replica 0)",
+        peer_name="shardwise DDP, 2 processes"),
+    Row("ring-busbw-w2", ring_sweep, gloo_sweep, world=2, args={},
+        goal="ring >= 0.9x gloo at 16 MB and above", peer_name="gloo all_reduce"),
+    Row("ring-busbw-w4", ring_sweep, gloo_sweep, world=4, args={},
+        goal="ring >= 0.9x gloo at 16 MB and above", peer_name="gloo all_reduce"),
+]
