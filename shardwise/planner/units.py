@@ -73,7 +73,10 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_seconds(s: float) -> str:
-    """Seconds as the largest sensible unit: ``'33.5 days'``, ``'4.2 h'``, ``'12.3 s'``, ``'850 ms'``."""
+    """Seconds in the largest sensible unit: ``'825 years'``, ``'33.5 days'``, ``'4.2 h'``,
+    ``'12.3 s'``, ``'850 ms'``."""
+    if s >= 2 * 365.25 * 86400:
+        return f"{s / (365.25 * 86400):.3g} years"
     if s >= 2 * 86400:
         return f"{s / 86400:.1f} days"
     if s >= 2 * 3600:
@@ -83,3 +86,11 @@ def fmt_seconds(s: float) -> str:
     if s >= 1:
         return f"{s:.2f} s"
     return f"{s * 1e3:.3g} ms"
+
+
+def fmt_count(n: float) -> str:
+    """Large counts the way papers write them: ``fmt_count(3e11) == '300B'``, ``'1.5M'``."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.4g}{unit}"
+    return f"{n:.4g}"

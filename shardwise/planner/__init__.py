@@ -1,0 +1,25 @@
+"""The strategy planner: a cost model of distributed training and a search over layouts.
+
+Pure Python (standard library; ``rich`` only to print a table), imports no torch and nothing
+else from shardwise, so it runs anywhere instantly::
+
+    from shardwise.planner import Batch, Hardware, Layout, PRESETS, estimate, plan
+    hw = Hardware.from_catalogue("a100-80gb", nodes=128, devices_per_node=8,
+                                 network="8x200gbps")
+    best = plan(PRESETS["175B"], hw, Batch(global_batch=1536)).winner
+    print(best.layout.describe(), best.time_to_train(300e9) / 86400, "days")
+
+Formulas and sources: docs/planner.md. Modules: ``hardware`` / ``catalogue`` (the machine),
+``model`` (the network's shape), ``layout`` (a layout and a batch), ``memory``, ``comm`` and
+``cost`` (the cost model), ``search`` and ``explain`` (ranking, seed 000's guide), ``report``
+and ``cli`` (``shardwise plan``).
+"""
+from shardwise.planner.cost import Estimate, estimate
+from shardwise.planner.errors import PlanError
+from shardwise.planner.hardware import Hardware
+from shardwise.planner.layout import Batch, Layout
+from shardwise.planner.model import PRESETS, ModelSpec, parse_model
+from shardwise.planner.search import Plan, plan
+
+__all__ = ["Batch", "Estimate", "Hardware", "Layout", "ModelSpec", "PRESETS", "Plan",
+           "PlanError", "estimate", "parse_model", "plan"]

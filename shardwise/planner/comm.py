@@ -1,0 +1,144 @@
+"""Communication time of each collective a layout runs, alpha-beta model on ring algorithms.
+
+For ``K`` bytes (the full tensor) over ``N`` ranks with bandwidth ``bw`` and per-step latency
+``alpha`` (Patarasuk & Yuan 2009; Thakur et al. 2005):
+
+- ring allreduce: each rank sends ``2 (N-1)/N K`` bytes in ``2 (N-1)`` steps:
+  ``t = 2 (N-1)/N K / bw + 2 (N-1) alpha``;
+- reduce-scatter and all-gather: half of that, ``(N-1)/N K / bw + (N-1) alpha``;
+- point-to-point: ``K / bw + alpha``.
+
+Per layout and step (``P_dev`` parameters per device, g / w bytes per gradient / weight,
+m micro-batches, b micro-batch size):
+
+- DDP: one allreduce of ``g P_dev`` (in buckets; latency paid per bucket);
+- ZeRO-1: reduce-scatter of the gradients + all-gather of the updated weights, once per step;
+- ZeRO-2: the reduce-scatter every micro-batch (gradients are not kept whole), the all-gather
+  once; ZeRO-3: per micro-batch two all-gathers of the weights (forward, backward) and one
+  reduce-scatter: 1.5x DDP's volume (ZeRO paper, section 7);
+- TP (Megatron, Shoeybi et al. 2019): per block and micro-batch 2 allreduces of ``b s h``
+  activations in forward and 2 in backward, 2 more in the recomputed forward (the same volume
+  as all-gather + reduce-scatter with sequence parallelism);
+- PP: per micro-batch one activation send forward and one gradient send backward of
+  ``b s h / tp`` values (Megatron's scatter-gather across the tp ranks);
+- parameter server: each worker pushes ``g P`` and pulls ``w P``; the busiest server (1/num_ps
+  of the parameters) receives and sends that share from every worker.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shardwise.planner.hardware import Hardware
+from shardwise.planner.layout import Batch, Layout
+from shardwise.planner.memory import layers_on_stage, state_bytes
+from shardwise.planner.model import ModelSpec
+
+
+def ring_allreduce_bytes(k: float, n: int) -> float:
+    """Bytes each rank sends in a ring allreduce of ``k`` bytes over ``n`` ranks: 2(n-1)/n k."""
+    return 2 * (n - 1) / n * k
+
+
+def allreduce_time(k: float, n: int, bw: float, alpha: float, messages: int = 1) -> float:
+    """Ring allreduce of ``k`` bytes over ``n`` ranks, sent as ``messages`` separate buckets."""
+    if n <= 1:
+        return 0.0
+    return ring_allreduce_bytes(k, n) / bw + messages * 2 * (n - 1) * alpha
+
+
+def reduce_scatter_time(k: float, n: int, bw: float, alpha: float, messages: int = 1) -> float:
+    """Ring reduce-scatter (or all-gather) of a ``k``-byte tensor over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * k / bw + messages * (n - 1) * alpha
+
+
+all_gather_time = reduce_scatter_time
+"""An all-gather moves the same bytes in the same steps as a reduce-scatter."""
+
+
+def p2p_time(k: float, bw: float, alpha: float) -> float:
+    """One point-to-point send of ``k`` bytes."""
+    return k / bw + alpha
+
+
+@dataclass(frozen=True)
+class DataParallelTraffic:
+    """Seconds of the dp-axis collectives of one step, split by when they can run."""
+
+    per_microbatch_rs: float
+    """Reduce-scatter (or, for DDP, nothing) run after every micro-batch's backward."""
+    per_microbatch_ag: float
+    """All-gathers run in every micro-batch (ZeRO-3: forward and backward together)."""
+    last_backward: float
+    """Run once per step, during the last micro-batch's backward (DDP allreduce, ZeRO-1's
+    reduce-scatter)."""
+    after_step: float
+    """Run once per step after the optimizer (ZeRO-1/2 all-gather of the updated weights)."""
+
+
+def dp_traffic(layout: Layout, p_dev: float, hw: Hardware, batch: Batch) -> DataParallelTraffic:
+    """Seconds each dp collective of ``layout`` takes, for ``p_dev`` parameters per device."""
+    n = layout.dp
+    bw, alpha = hw.link(n, layout.tp)
+    per = state_bytes(batch)
+    grads, weights = per["gradients"] * p_dev, per["parameters"] * p_dev
+    buckets = max(1, math.ceil(grads / layout.bucket_bytes))
+    rs = reduce_scatter_time(grads, n, bw, alpha, buckets)
+    ag = all_gather_time(weights, n, bw, alpha, buckets)
+    if n <= 1 or layout.num_ps:
+        return DataParallelTraffic(0.0, 0.0, 0.0, 0.0)
+    if layout.zero == 0:
+        return DataParallelTraffic(0.0, 0.0, allreduce_time(grads, n, bw, alpha, buckets), 0.0)
+    if layout.zero == 1:
+        return DataParallelTraffic(0.0, 0.0, rs, ag)
+    if layout.zero == 2:
+        return DataParallelTraffic(rs, 0.0, 0.0, ag)
+    return DataParallelTraffic(rs, 2 * ag, 0.0, 0.0)
+
+
+def tp_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch, layers: int) -> float:
+    """Tensor-parallel allreduces of one micro-batch through ``layers`` blocks."""
+    if layout.tp <= 1:
+        return 0.0
+    bw, alpha = hw.link(layout.tp, 1)
+    act = 2 if batch.mixed else 4
+    k = layout.micro_batch * model.seq_len * model.hidden * act
+    count = (6 if layout.act_ckpt else 4) * layers
+    return count * allreduce_time(k, layout.tp, bw, alpha)
+
+
+def p2p_stage_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> float:
+    """One micro-batch's sends across one stage boundary: activation forward, gradient back."""
+    if layout.pp <= 1:
+        return 0.0
+    bw, alpha = hw.intra_bw, hw.intra_latency
+    if layout.tp * layout.dp * layout.pp > hw.devices_per_node:
+        # Some stage boundary crosses nodes; there all of a stage's devices on the node
+        # (tp * dp of them, at most a node) send through the node's adapters at once.
+        senders = min(hw.devices_per_node, layout.tp * layout.dp)
+        bw, alpha = min(hw.intra_bw, hw.inter_bw / senders), hw.inter_latency
+    act = 2 if batch.mixed else 4
+    k = layout.micro_batch * model.seq_len * model.hidden * act / layout.tp
+    return 2 * p2p_time(k, bw, alpha)
+
+
+def ps_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> float:
+    """Push gradients and pull weights through the busiest of ``num_ps`` servers."""
+    if not layout.num_ps:
+        return 0.0
+    per = state_bytes(batch)
+    volume = (per["gradients"] + per["parameters"]) * model.params
+    bw, alpha = hw.intra_bw, hw.intra_latency
+    if layout.world > hw.devices_per_node:
+        # Across nodes every device of a node pushes and pulls at once: a node's share each.
+        bw, alpha = min(hw.intra_bw, hw.inter_bw / hw.devices_per_node), hw.inter_latency
+    worker = volume / bw
+    server = layout.dp * volume / layout.num_ps / bw
+    return max(worker, server) + 2 * alpha * layout.dp
+
+
+def stage_layers(model: ModelSpec, layout: Layout) -> int:
+    """Blocks on the fullest pipeline stage (the first, when L % pp != 0)."""
+    return layers_on_stage(model, layout.pp, 0)

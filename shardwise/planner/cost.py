@@ -1,0 +1,201 @@
+"""``estimate``: memory, compute, communication, bubble and step time of one layout.
+
+A step is ``m`` micro-batches per replica. Each micro-batch costs one slot on every stage:
+
+    slot = compute + tensor-parallel allreduces + pipeline sends + un-overlapped ZeRO-2/3 traffic
+    step = (m + pp - 1) * slot + dp sync left exposed + optimizer + offload + parameter server
+
+Compute is the busiest stage's share of ``6 P + 12 L s h`` FLOPs per token (block terms
+x 4/3 with recomputation; ``ModelSpec.flops_per_token``) at ``peak x efficiency``, plus a fixed
+``block_overhead`` per block and micro-batch (kernel launches). The
+pipeline bubble is ``(pp - 1) / (m + pp - 1)`` of the pipeline time (GPipe and 1F1B alike).
+
+What overlaps with what (the only judgement calls): DDP's allreduce and ZeRO-1's
+reduce-scatter run during the last micro-batch's backward; ZeRO-2's reduce-scatter during each
+micro-batch's backward; ZeRO-3's gathers during the forward and the backward they feed; a
+forward is 1/3 of a micro-batch's compute (1/4 with recomputation). With a pipeline the dp sync
+runs after the flush, exposed (Megatron-LM 2021). Tensor-parallel allreduces, pipeline sends,
+offload copies and parameter-server traffic are never overlapped.
+The optimizer step is memory-bound: bytes touched per parameter over device (or host) bandwidth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.planner import comm
+from shardwise.planner.errors import PlanError
+from shardwise.planner.hardware import Hardware
+from shardwise.planner.layout import Batch, Layout
+from shardwise.planner.memory import layers_on_stage, memory, stage_params, state_bytes
+from shardwise.planner.model import ModelSpec
+from shardwise.planner.units import fmt_bytes
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one layout costs on one machine for one batch."""
+
+    layout: Layout
+    """The layout estimated."""
+    memory: dict[str, float]
+    """Bytes per ledger category on the fullest device."""
+    memory_role: str
+    """Which device is the fullest (rank, stage 0, last stage, worker, server)."""
+    capacity: float
+    """Bytes a device can give to tensors (memory less the reserved part)."""
+    host_per_node: float
+    """Bytes offloaded into each node's host memory."""
+    disk_per_node: float
+    """Bytes offloaded onto each node's disk."""
+    fits: bool
+    """Whether device, host and disk memory all suffice."""
+    why_not: str
+    """Why it does not fit ("" when it does)."""
+    microbatches: int
+    """Micro-batches per replica per step."""
+    compute_s: float
+    """Seconds of computation per step on the busiest device (recomputation included)."""
+    comm_s: float
+    """Seconds of communication per step, overlapped or not."""
+    comm_exposed_s: float
+    """The part of ``comm_s`` on the critical path."""
+    comm: dict[str, float]
+    """``comm_s`` by kind: tp, p2p, dp, ps."""
+    bubble: float
+    """Pipeline bubble, the idle fraction of the pipeline time: (pp-1)/(m+pp-1)."""
+    bubble_s: float
+    """Idle seconds per step in the pipeline."""
+    optimizer_s: float
+    """Seconds of the optimizer step on the device (0 when offloaded)."""
+    offload_s: float
+    """Seconds per step of host copies and the host / disk optimizer step."""
+    step_s: float
+    """Seconds per optimizer step."""
+    tokens_per_step: int
+    """Global batch in tokens."""
+    mfu: float
+    """Model FLOP utilisation: (6P + 12Lsh) x tokens / (step x devices x peak)."""
+
+    @property
+    def memory_total(self) -> float:
+        """Bytes on the fullest device, all categories."""
+        return sum(self.memory.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Training throughput of the whole machine."""
+        return self.tokens_per_step / self.step_s
+
+    def time_to_train(self, tokens: float) -> float:
+        """Seconds to train on ``tokens`` tokens."""
+        return tokens / self.tokens_per_s
+
+    def to_dict(self) -> dict:
+        """Plain numbers for ``--format json``."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "layout"}
+        return {"layout": self.layout.to_dict(), "memory_total": self.memory_total,
+                "tokens_per_s": self.tokens_per_s, **out}
+
+
+def _check(layout: Layout, model: ModelSpec, hw: Hardware) -> None:
+    """Reject layouts the machine or the model cannot take at all."""
+    if layout.world > hw.world_size:
+        raise PlanError("layout", layout.describe(), f"needs {layout.world} devices",
+                        f"fit it in the {hw.world_size} devices of the machine")
+    if model.heads % layout.tp or model.hidden % layout.tp:
+        raise PlanError("tp", layout.tp, f"does not divide {model.heads} heads",
+                        "pick a tp that divides the number of heads")
+    if layout.pp > model.layers:
+        raise PlanError("pp", layout.pp, f"exceeds the model's {model.layers} layers",
+                        "use at most one stage per layer")
+
+
+def _microbatch_seconds(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> float:
+    """Compute seconds of one micro-batch on the busiest stage's device: FLOPs at the
+    sustained rate, plus the fixed per-block overhead (x 4/3 when the forward runs twice)."""
+    block = model.block_flops(layout.act_ckpt)
+    first = layers_on_stage(model, layout.pp, 0) * block
+    last = layers_on_stage(model, layout.pp, layout.pp - 1) * block + model.head_flops
+    per_token = max(first, last) if layout.pp > 1 else first + model.head_flops
+    flops = per_token * layout.micro_batch * model.seq_len / layout.tp
+    overhead = layers_on_stage(model, layout.pp, 0) * hw.block_overhead
+    return flops / hw.flops(batch.precision) + overhead * (4 / 3 if layout.act_ckpt else 1)
+
+
+def _optimizer_and_offload(layout, model, hw, batch, p_dev, m) -> tuple[float, float]:
+    """(device optimizer seconds, offload seconds) per step."""
+    per = state_bytes(batch)
+    weights = per["master_weights"] or per["parameters"]
+    touched = 2 * weights + 2 * per["optimizer_states"] + per["gradients"]
+    touched += per["parameters"] if batch.mixed else 0
+    if layout.num_ps:
+        share = model.params / layout.num_ps
+        return share * (2 * 4 + 2 * per["optimizer_states"] + 4) / hw.mem_bw, 0.0
+    owned = p_dev / (layout.dp if layout.zero else 1)
+    if layout.offload == "none":
+        return owned * touched / hw.mem_bw, 0.0
+    on_node = min(hw.devices_per_node, layout.world)
+    host = on_node * owned * touched / hw.host_mem_bw
+    fetch = (2 * m if layout.zero >= 3 else 1) * per["parameters"] * owned
+    copies = (fetch + m * per["gradients"] * owned) / hw.host_bw
+    disk = 0.0
+    if layout.offload == "disk":
+        disk = on_node * owned * (2 * (weights + per["optimizer_states"])
+                                  + 2 * m * per["parameters"]) / hw.disk_bw
+    return 0.0, host + copies + disk
+
+
+def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Estimate:
+    """Memory, communication, compute, bubble, step time and MFU of ``layout``."""
+    _check(layout, model, hw)
+    mem = memory(layout, model, hw, batch)
+    m = layout.microbatches(batch.global_batch)
+    p_dev = max(stage_params(model, layout.pp, s) for s in {0, layout.pp - 1}) / layout.tp
+    t_mb = _microbatch_seconds(layout, model, hw, batch)
+    fwd = t_mb / (4 if layout.act_ckpt else 3)
+    bwd = t_mb - fwd
+    dp = comm.dp_traffic(layout, p_dev, hw, batch)
+    tp = comm.tp_time(layout, model, hw, batch, layers_on_stage(model, layout.pp, 0))
+    p2p = comm.p2p_stage_time(layout, model, hw, batch)
+    per_mb = _exposed_per_microbatch(dp, fwd, bwd)
+    slot = t_mb + tp + p2p + per_mb
+    once = dp.after_step + (dp.last_backward if layout.pp > 1 else
+                            max(0.0, dp.last_backward - bwd))
+    optimizer_s, offload_s = _optimizer_and_offload(layout, model, hw, batch, p_dev, m)
+    ps = comm.ps_time(layout, model, hw, batch)
+    bubble_s = (layout.pp - 1) * slot
+    step = (m + layout.pp - 1) * slot + once + optimizer_s + offload_s + ps
+    traffic = {"tp": m * tp, "p2p": m * p2p, "ps": ps,
+               "dp": m * (dp.per_microbatch_rs + dp.per_microbatch_ag) + dp.last_backward
+               + dp.after_step}
+    tokens = batch.global_batch * model.seq_len
+    why = _why_not(mem, hw)
+    return Estimate(
+        layout=layout, memory=mem.device, memory_role=mem.role, capacity=hw.usable_memory,
+        host_per_node=mem.host_per_node, disk_per_node=mem.disk_per_node, fits=not why,
+        why_not=why, microbatches=m, compute_s=m * t_mb, comm_s=sum(traffic.values()),
+        comm_exposed_s=m * (tp + p2p + per_mb) + once + ps, comm=traffic,
+        bubble=(layout.pp - 1) / (m + layout.pp - 1), bubble_s=bubble_s,
+        optimizer_s=optimizer_s, offload_s=offload_s, step_s=step, tokens_per_step=tokens,
+        mfu=model.flops_per_token() * tokens / (step * layout.world * hw.peak(batch.precision)))
+
+
+def _exposed_per_microbatch(dp: comm.DataParallelTraffic, fwd: float, bwd: float) -> float:
+    """ZeRO-2/3 traffic of one micro-batch not hidden by its compute: ZeRO-3's forward gather
+    behind the forward, its backward gather and the reduce-scatter behind the backward."""
+    gather = dp.per_microbatch_ag / 2
+    return max(0.0, gather - fwd) + max(0.0, gather + dp.per_microbatch_rs - bwd)
+
+
+def _why_not(mem, hw: Hardware) -> str:
+    """Empty when device, host and disk memory suffice, else which one runs out, by how much."""
+    if mem.total > hw.usable_memory:
+        return (f"memory: needs {fmt_bytes(mem.total)} per device ({mem.role}), "
+                f"has {fmt_bytes(hw.usable_memory)}")
+    if mem.host_per_node > hw.host_memory_bytes:
+        return (f"host memory: offload needs {fmt_bytes(mem.host_per_node)} per node, "
+                f"has {fmt_bytes(hw.host_memory_bytes)}")
+    if mem.disk_per_node > hw.disk_bytes:
+        return (f"disk: offload needs {fmt_bytes(mem.disk_per_node)} per node, "
+                f"has {fmt_bytes(hw.disk_bytes)}")
+    return ""

@@ -1,0 +1,183 @@
+"""The machine a plan is made for: nodes of identical devices, the links inside and between them.
+
+Build one from the catalogue (``Hardware.from_catalogue("a100-80gb", nodes=128, ...)``) or from
+plain numbers (``Hardware.custom(...)``, what a calibration produces). Every rate is an effective
+rate (see ``catalogue.py``); every field can be overridden with ``dataclasses.replace``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from shardwise.planner import catalogue
+from shardwise.planner.errors import PlanError
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A cluster: ``nodes`` x ``devices_per_node`` identical devices."""
+
+    nodes: int
+    """Number of machines."""
+    devices_per_node: int
+    """Accelerators per machine (GPUs, or processes for ``cpu``)."""
+    memory_bytes: int
+    """Memory per device, bytes."""
+    peak_flops: float
+    """Dense 16-bit FLOP/s per device (the MFU denominator)."""
+    intra_bw: float
+    """Effective per-device bandwidth inside a node (NVLink or PCIe), bytes/s per direction."""
+    inter_bw: float
+    """Effective bandwidth between nodes, bytes/s per direction per *node* (all adapters)."""
+    peak_flops_fp32: float = 0.0
+    """Dense fp32 FLOP/s per device; 0 means the same as ``peak_flops``."""
+    efficiency: float = 1.0
+    """Fraction of the peak a transformer layer reaches (1.0 when the peak was measured)."""
+    mem_bw: float = 1e12
+    """Device memory bandwidth, bytes/s (bounds the optimizer step)."""
+    intra_latency: float = 1e-6
+    """Seconds per ring step inside a node."""
+    inter_latency: float = 5e-6
+    """Seconds per ring step between nodes."""
+    reserved_bytes: int = 0
+    """Device memory tensors cannot use (CUDA context, workspaces)."""
+    block_overhead: float = 0.0
+    """Fixed seconds per transformer block per micro-batch (launches, dispatch), fwd + bwd."""
+    host_bw: float = 20e9
+    """Device <-> host copy bandwidth per device, bytes/s (offload)."""
+    host_memory_bytes: int = catalogue.HOST_DEFAULTS["host_memory_bytes"]
+    """Host memory per node, bytes (must hold what ``offload=cpu`` moves there)."""
+    host_mem_bw: float = catalogue.HOST_DEFAULTS["host_mem_bw"]
+    """Host memory bandwidth per node usable by the CPU optimizer step, bytes/s."""
+    disk_bw: float = catalogue.HOST_DEFAULTS["disk_bw"]
+    """NVMe bandwidth per node, bytes/s (``offload=disk``)."""
+    disk_bytes: float = catalogue.HOST_DEFAULTS["disk_bytes"]
+    """NVMe capacity per node, bytes."""
+    name: str = "custom"
+    """Accelerator name, for the report."""
+    interconnect: str = "custom"
+    """Intra-node link name (nvlink, pcie), for the report and the guide's rules."""
+    network: str = "custom"
+    """Inter-node network name, for the report and the guide's rules."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                floor = 1 if f.name in ("nodes", "devices_per_node") else 0
+                if value < floor or (value == 0 and f.name in _POSITIVE):
+                    flag = _FLAGS.get(f.name, f.name)
+                    raise PlanError(flag, value, "is not positive",
+                                    f"give --{flag.replace('_', '-')} a number above zero")
+        if self.efficiency > 1:
+            raise PlanError("efficiency", self.efficiency, "is above 1",
+                            "give the fraction of peak reached, e.g. 0.5")
+
+    @property
+    def world_size(self) -> int:
+        """All devices of all nodes."""
+        return self.nodes * self.devices_per_node
+
+    @property
+    def usable_memory(self) -> int:
+        """Device memory left for tensors."""
+        return self.memory_bytes - self.reserved_bytes
+
+    def peak(self, precision: str) -> float:
+        """Data-sheet FLOP/s of one device for ``precision`` (the MFU denominator)."""
+        return (self.peak_flops_fp32 or self.peak_flops) if precision == "fp32" else self.peak_flops
+
+    def flops(self, precision: str) -> float:
+        """Sustained FLOP/s of one device for ``precision``: peak x efficiency."""
+        return self.peak(precision) * self.efficiency
+
+    def link(self, size: int, stride: int) -> tuple[float, float]:
+        """(bytes/s, seconds per step) of a ring over ``size`` ranks ``stride`` apart.
+
+        Ranks are numbered node by node. A group inside one node runs at ``intra_bw``. A group
+        that crosses nodes with ``k`` members per node can drive ``k`` of the node's
+        ``devices_per_node`` adapters' share: ``inter_bw * k / devices_per_node`` (the node's
+        other devices run their own groups at the same time), and never more than ``intra_bw``.
+        """
+        if size <= 1:
+            return float("inf"), 0.0
+        g = self.devices_per_node
+        if stride * size <= g:
+            return self.intra_bw, self.intra_latency
+        per_node = max(1, min(size, g // stride)) if stride < g else 1
+        return min(self.intra_bw, self.inter_bw * per_node / g), self.inter_latency
+
+    def describe(self) -> str:
+        """One line: ``128 x 8 a100-80gb (nvlink), network 8x200gbps``."""
+        net = f", network {self.network}" if self.nodes > 1 else ""
+        return f"{self.nodes} x {self.devices_per_node} {self.name} ({self.interconnect}){net}"
+
+    def to_dict(self) -> dict:
+        """All fields, for ``--format json``."""
+        return asdict(self)
+
+    @classmethod
+    def custom(cls, *, nodes: int, devices_per_node: int, memory_bytes: int, peak_flops: float,
+               intra_bw: float, inter_bw: float | None = None, intra_latency: float = 1e-6,
+               inter_latency: float = 5e-6, **more: float) -> "Hardware":
+        """A machine from plain numbers (a calibration's output); ``more`` sets other fields.
+
+        ``inter_bw`` defaults to ``intra_bw`` (irrelevant when ``nodes == 1``).
+        """
+        return cls(nodes=nodes, devices_per_node=devices_per_node, memory_bytes=int(memory_bytes),
+                   peak_flops=peak_flops, intra_bw=intra_bw,
+                   inter_bw=intra_bw if inter_bw is None else inter_bw,
+                   intra_latency=intra_latency, inter_latency=inter_latency, **more)
+
+    @classmethod
+    def from_catalogue(cls, gpu: str, nodes: int = 1, devices_per_node: int = 8,
+                       interconnect: str | None = None, network: str | None = None,
+                       **overrides: float) -> "Hardware":
+        """A cluster of catalogue devices; ``overrides`` replace any field afterwards.
+
+        ``interconnect`` defaults to nvlink where the device has it, else pcie; ``network``
+        defaults to ``100gbps``.
+        """
+        acc = catalogue.accelerator(gpu)
+        if acc is None:
+            names = ", ".join(a.name for a in catalogue.ACCELERATORS)
+            raise PlanError("gpu", gpu, "is not in the catalogue",
+                            f"use one of {names} (then override --memory / --peak-tflops)")
+        link = _interconnect(acc, interconnect)
+        net = catalogue.network(network or "100gbps")
+        if net is None:
+            names = ", ".join(n.name for n in catalogue.NETWORKS)
+            raise PlanError("network", network, "is not in the catalogue",
+                            f"use one of {names}, or give --inter-bw")
+        hw = cls(nodes=nodes, devices_per_node=devices_per_node, memory_bytes=acc.memory_bytes,
+                 peak_flops=acc.peak_flops, peak_flops_fp32=acc.peak_flops_fp32,
+                 efficiency=acc.efficiency, mem_bw=acc.mem_bw,
+                 intra_bw=acc.nvlink_bw if link == "nvlink" else acc.pcie_bw,  # pcie or shm
+                 intra_latency=acc.intra_latency or catalogue.INTERCONNECT_LATENCY[link],
+                 inter_bw=net.bandwidth,
+                 inter_latency=net.latency, reserved_bytes=acc.reserved_bytes,
+                 host_bw=acc.host_bw, block_overhead=acc.block_overhead, name=acc.name,
+                 interconnect=link, network=net.name)
+        return replace(hw, **overrides) if overrides else hw
+
+
+_FLAGS = {"memory_bytes": "memory", "peak_flops": "peak-tflops", "devices_per_node":
+          "gpus-per-node", "host_memory_bytes": "host-memory"}
+"""The ``shardwise plan`` option that sets a field, where the names differ."""
+
+_POSITIVE = ("memory_bytes", "peak_flops", "intra_bw", "inter_bw", "efficiency", "mem_bw",
+             "host_bw", "host_mem_bw", "disk_bw")
+"""Fields that may not be zero."""
+
+
+def _interconnect(acc: catalogue.Accelerator, name: str | None) -> str:
+    """The intra-node link for ``acc``: ``nvlink`` or ``pcie``, checked against the device."""
+    if name is None:
+        # CPU processes talk through shared memory; the rate is the catalogue's pcie_bw entry.
+        return "nvlink" if acc.nvlink_bw is not None else "shm" if acc.name == "cpu" else "pcie"
+    name = name.lower()
+    if name not in ("nvlink", "pcie"):
+        raise PlanError("interconnect", name, "is not a known link", "use nvlink or pcie")
+    if name == "nvlink" and acc.nvlink_bw is None:
+        raise PlanError("interconnect", name, f"is not available on {acc.name}",
+                        "use --interconnect pcie")
+    return name

@@ -1,0 +1,142 @@
+"""What a plan chooses (``Layout``: how devices split the work) and what it is given (``Batch``).
+
+The device mesh follows shardwise's order: pp outermost, then dp, tp innermost, so a tp group is
+``tp`` consecutive ranks (inside a node), a dp group has stride ``tp``, a pp group stride
+``tp * dp``. A parameter-server layout has ``num_ps`` server ranks and ``dp`` worker ranks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from shardwise.planner.errors import PlanError
+
+KINDS = ("single", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d", "ps")
+"""Layout kinds, named as ``shardwise train --strategy`` names them."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a training step on ``world`` devices."""
+
+    dp: int = 1
+    """Data-parallel size (model replicas; the number of workers for ``ps``)."""
+    tp: int = 1
+    """Tensor-parallel size (Megatron column/row split; inside one node)."""
+    pp: int = 1
+    """Pipeline-parallel size (stages of consecutive layers)."""
+    zero: int = 0
+    """ZeRO stage over the dp axis: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters."""
+    offload: str = "none"
+    """Where master weights and optimizer states live: none, cpu (ZeRO-Offload, zero>=2), or
+    disk (ZeRO-Infinity, zero 3); with zero 3 the parameters move there too."""
+    act_ckpt: bool = False
+    """Full activation checkpointing: keep each block's input, recompute the rest in backward."""
+    micro_batch: int = 1
+    """Sequences per micro-batch per replica."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b."""
+    num_ps: int = 0
+    """Parameter-server ranks (0: no parameter server)."""
+    sequence_parallel: bool = False
+    """Megatron-3 sequence parallelism: activations outside the tp regions are split by tp too."""
+    bucket_bytes: int = 25 * 2**20
+    """Gradient bucket size for DDP / ZeRO reductions (torch DDP's default, 25 MiB)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise PlanError(name, getattr(self, name), "is below 1", f"set {name} >= 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError("zero", self.zero, "is not a ZeRO stage", "use 0, 1, 2 or 3")
+        if self.offload not in ("none", "cpu", "disk"):
+            raise PlanError("offload", self.offload, "is unknown", "use none, cpu or disk")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise PlanError("schedule", self.schedule, "is unknown", "use gpipe or 1f1b")
+        if self.offload != "none" and self.zero < (3 if self.offload == "disk" else 2):
+            raise PlanError("offload", self.offload, f"needs a higher ZeRO stage than {self.zero}",
+                            "offload to cpu with zero 2 or 3, to disk with zero 3")
+        if self.zero >= 2 and (self.tp > 1 or self.pp > 1):
+            raise PlanError("zero", self.zero, "does not combine with tp or pp here",
+                            "use zero 1 in a 3d layout, or zero 2/3 with tp = pp = 1")
+        if self.num_ps and (self.tp > 1 or self.pp > 1 or self.zero or self.offload != "none"):
+            raise PlanError("num_ps", self.num_ps, "combines only with plain workers",
+                            "use tp = pp = 1, zero 0 and no offload with a parameter server")
+
+    @property
+    def world(self) -> int:
+        """Devices used: dp * tp * pp, plus the parameter servers."""
+        return self.dp * self.tp * self.pp + self.num_ps
+
+    @property
+    def kind(self) -> str:
+        """The strategy name: single, ddp, zero1-3, tp, pp, 3d or ps."""
+        if self.num_ps:
+            return "ps"
+        split = [n for n in ("dp", "tp", "pp") if getattr(self, n) > 1]
+        if split in (["tp"], ["pp"]) and not self.zero:
+            return split[0]
+        if self.tp > 1 or self.pp > 1:
+            return "3d"
+        if self.zero:
+            return f"zero{self.zero}"
+        return "ddp" if self.dp > 1 else "single"
+
+    def microbatches(self, global_batch: int) -> int:
+        """Micro-batches each replica runs per step (rounded up: the last may be short)."""
+        return math.ceil(global_batch / (self.dp * self.micro_batch))
+
+    def describe(self) -> str:
+        """One line, e.g. ``3d dp=8 tp=8 pp=16 zero1 1f1b mb=1 ckpt``."""
+        parts = [self.kind]
+        if self.num_ps:
+            parts += [f"workers={self.dp}", f"servers={self.num_ps}"]
+        else:
+            parts += [f"{n}={getattr(self, n)}" for n in ("dp", "tp", "pp") if getattr(self, n) > 1]
+        if self.zero and self.kind not in ("zero1", "zero2", "zero3"):
+            parts.append(f"zero{self.zero}")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
+        if self.pp > 1:
+            parts.append(self.schedule)
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append(f"mb={self.micro_batch}")
+        if self.act_ckpt:
+            parts.append("ckpt")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        """All fields plus ``kind`` and ``world``, for ``--format json``."""
+        return {"kind": self.kind, "world": self.world, **asdict(self)}
+
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The training step being planned: how many sequences, in what precision, which optimizer."""
+
+    global_batch: int
+    """Sequences per optimizer step, all replicas together."""
+    precision: str = "bf16"
+    """bf16 / fp16: mixed precision (16-bit weights and gradients, fp32 master copy);
+    fp32: everything in fp32, no master copy."""
+    optimizer: str = "adam"
+    """adam (two fp32 moments) or sgd (one fp32 momentum)."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise PlanError("global_batch", self.global_batch, "is below 1",
+                            "give at least one sequence per step")
+        if self.precision not in PRECISIONS:
+            raise PlanError("precision", self.precision, "is unknown", "use bf16, fp16 or fp32")
+        if self.optimizer not in OPTIMIZERS:
+            raise PlanError("optimizer", self.optimizer, "is unknown", "use adam or sgd")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether training keeps 16-bit weights and an fp32 master copy."""
+        return self.precision != "fp32"

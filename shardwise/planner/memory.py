@@ -1,0 +1,189 @@
+"""Memory per device, by the ledger's categories, for one layout.
+
+Model states (ZeRO paper, Rajbhandari et al. 2020, section 3.1), bytes per parameter, N = dp:
+
+=====================  ======  =====  ======  =========  ========================
+precision / optimizer  params  grads  master  optimizer  DDP total
+=====================  ======  =====  ======  =========  ========================
+mixed (bf16/fp16) Adam   2       2      4        8       16  (ZeRO's "2 + 2 + K", K=12)
+fp32 Adam                4       4      0        8       16
+mixed SGD (momentum)     2       2      4        4       12
+fp32 SGD (momentum)      4       4      0        4       12
+=====================  ======  =====  ======  =========  ========================
+
+ZeRO-1 divides master and optimizer by N, ZeRO-2 the gradients too, ZeRO-3 everything: for
+mixed Adam 16P, 4P + 12P/N, 2P + 14P/N, 16P/N. Offload moves master, optimizer (and an fp32
+gradient copy; with ZeRO-3 the 16-bit parameters too) to the host or the disk.
+
+Activations per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", eq. 2 and section 4), 16-bit, no flash attention:
+``s b h (10 + 24/t) + 5 a s^2 b / t`` bytes, where 24 = 8 + 4f/h for an MLP of width f; with
+sequence parallelism every term is divided by t (``s b h 34/t + ...``). Full recomputation keeps
+``2 s b h`` per layer (the block input) plus one block's full activations while it recomputes.
+The output layer adds ``4 s b V / t`` (fp32 logits) on the last stage. fp32 doubles everything.
+A pipeline stage holds ``m`` micro-batches in flight under GPipe and ``min(m, pp - i)`` at stage
+i under 1F1B; the first and the last stage are checked and the larger total is reported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.planner.hardware import Hardware
+from shardwise.planner.layout import Batch, Layout
+from shardwise.planner.model import ModelSpec
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "master_weights", "activations",
+              "buffers")
+"""The memory ledger's categories, in order."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Memory of the fullest device of a layout."""
+
+    device: dict[str, float]
+    """Bytes per category (see ``CATEGORIES``) on that device."""
+    role: str
+    """Which device that is: ``rank`` (all alike), ``stage 0``, ``last stage``, ``worker``,
+    ``server``."""
+    host_per_node: float
+    """Bytes offloaded to each node's host memory (``offload=cpu``)."""
+    disk_per_node: float
+    """Bytes offloaded to each node's disk (``offload=disk``)."""
+
+    @property
+    def total(self) -> float:
+        """All categories together."""
+        return sum(self.device.values())
+
+
+def state_bytes(batch: Batch) -> dict[str, int]:
+    """Bytes per parameter of each model state, for a precision and an optimizer (table above)."""
+    mixed = batch.mixed
+    return {"parameters": 2 if mixed else 4, "gradients": 2 if mixed else 4,
+            "master_weights": 4 if mixed else 0,
+            "optimizer_states": 8 if batch.optimizer == "adam" else 4}
+
+
+def layers_on_stage(model: ModelSpec, pp: int, stage: int) -> int:
+    """Blocks on pipeline stage ``stage``: balanced, the first ``L % pp`` stages get one more."""
+    return model.layers // pp + (1 if stage < model.layers % pp else 0)
+
+
+def stage_params(model: ModelSpec, pp: int, stage: int) -> int:
+    """Parameters on a stage: its blocks, the embeddings on the first stage, the final norm and
+    output head on the last (a tied head is a second copy there when pp > 1, as in Megatron)."""
+    params = layers_on_stage(model, pp, stage) * model.layer_params
+    if stage == 0:
+        params += model.embedding_params
+    if stage == pp - 1:
+        params += model.head_params
+        if model.tied_embeddings and pp > 1:
+            params += model.vocab * model.hidden
+    return params
+
+
+def model_states(p_dev: float, layout: Layout, batch: Batch) -> tuple[dict[str, float], float]:
+    """(device bytes per state, bytes sent to the host or disk) for ``p_dev`` parameters."""
+    per = state_bytes(batch)
+    n = layout.dp
+    shard = {"parameters": n if layout.zero >= 3 else 1, "gradients": n if layout.zero >= 2 else 1,
+             "master_weights": n if layout.zero >= 1 else 1,
+             "optimizer_states": n if layout.zero >= 1 else 1}
+    states = {k: per[k] * p_dev / shard[k] for k in per}
+    offloaded = 0.0
+    if layout.offload != "none":
+        # The host keeps master, optimizer, an fp32 gradient partition, and with ZeRO-3 the
+        # 16-bit parameter partition; the device keeps only buckets (counted in buffers).
+        moved = ["master_weights", "optimizer_states", "gradients"]
+        moved += ["parameters"] if layout.zero >= 3 else []
+        offloaded = states["master_weights"] + states["optimizer_states"] + 4 * p_dev / n
+        if layout.zero >= 3:
+            offloaded += states["parameters"]
+        for k in moved:
+            states[k] = 0.0
+    return states, offloaded
+
+
+def activation_per_layer(model: ModelSpec, layout: Layout, batch: Batch, full: bool) -> float:
+    """Bytes one block keeps for one micro-batch; ``full=False`` gives the checkpointed input."""
+    s, b, h, t = model.seq_len, layout.micro_batch, model.hidden, layout.tp
+    scale = 1 if batch.mixed else 2
+    sp = t if layout.sequence_parallel else 1
+    if not full:
+        return scale * 2 * s * b * h / sp
+    unsplit = 10 / sp
+    split = (8 + 4 * model.ffn / h) / t
+    attention = 5 * model.heads * s * s * b / t
+    return scale * (s * b * h * (unsplit + split) + attention)
+
+
+def stage_activations(model: ModelSpec, layout: Layout, batch: Batch, stage: int,
+                      microbatches: int) -> float:
+    """Activation bytes held by one device of ``stage`` at the peak of a step."""
+    pp = layout.pp
+    if pp == 1:
+        in_flight = 1
+    elif layout.schedule == "gpipe":
+        in_flight = microbatches
+    else:
+        in_flight = min(microbatches, pp - stage)
+    layers = layers_on_stage(model, pp, stage)
+    full = activation_per_layer(model, layout, batch, full=True)
+    if layout.act_ckpt:
+        held = in_flight * layers * activation_per_layer(model, layout, batch, full=False) + full
+    else:
+        held = in_flight * layers * full
+    if stage == pp - 1:
+        held += 4 * model.seq_len * layout.micro_batch * model.vocab / layout.tp
+    return held
+
+
+def buffers(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float) -> float:
+    """Communication buffers: two gradient buckets for DDP / ZeRO-1/2 (one reducing, one
+    filling); for ZeRO-3 two gathered blocks (the one computing, the one prefetched) and a
+    bucket; two boundary activations (send, receive) per pipeline stage."""
+    grad_bytes = state_bytes(batch)["gradients"]
+    total = 0.0
+    if layout.dp > 1 or layout.offload != "none":
+        total += 2 * min(layout.bucket_bytes, grad_bytes * p_dev)
+    if layout.zero >= 3:
+        total += 2 * state_bytes(batch)["parameters"] * model.layer_params / layout.tp
+    if layout.pp > 1:
+        total += 2 * 2 * model.seq_len * layout.micro_batch * model.hidden / layout.tp
+    return total
+
+
+def _device(model, layout, batch, stage, microbatches) -> tuple[dict[str, float], float]:
+    """(categories, offloaded bytes) for one device of ``stage``."""
+    p_dev = stage_params(model, layout.pp, stage) / layout.tp
+    states, offloaded = model_states(p_dev, layout, batch)
+    states["activations"] = stage_activations(model, layout, batch, stage, microbatches)
+    states["buffers"] = buffers(model, layout, batch, p_dev)
+    return {k: states[k] for k in CATEGORIES}, offloaded
+
+
+def _server(model: ModelSpec, layout: Layout, batch: Batch) -> dict[str, float]:
+    """A parameter server: its 1/num_ps of the fp32 weights, fp32 gradient sums, optimizer."""
+    share = model.params / layout.num_ps
+    per = state_bytes(batch)
+    return {"parameters": 4 * share, "gradients": 4 * share, "optimizer_states":
+            per["optimizer_states"] * share, "master_weights": 0.0, "activations": 0.0,
+            "buffers": 0.0}
+
+
+def memory(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Memory:
+    """The fullest device's memory, and what offload puts on each node's host or disk."""
+    m = layout.microbatches(batch.global_batch)
+    first, offloaded = _device(model, layout, batch, 0, m)
+    candidates = [("stage 0" if layout.pp > 1 else "rank", first)]
+    if layout.pp > 1:
+        candidates.append(("last stage", _device(model, layout, batch, layout.pp - 1, m)[0]))
+    if layout.num_ps:
+        worker = dict(first, master_weights=0.0, optimizer_states=0.0)
+        candidates = [("worker", worker), ("server", _server(model, layout, batch))]
+    role, device = max(candidates, key=lambda c: sum(c[1].values()))
+    per_node = offloaded * min(hw.devices_per_node, layout.world)
+    host = per_node if layout.offload == "cpu" else 0.0
+    disk = per_node if layout.offload == "disk" else 0.0
+    return Memory(device=device, role=role, host_per_node=host, disk_per_node=disk)

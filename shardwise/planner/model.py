@@ -1,0 +1,129 @@
+"""The model being planned: a GPT-style decoder described by five numbers.
+
+Parameter count (biases and layer norms included, as in ``shardwise.models.gpt``):
+per layer ``4h^2 + 2hf + 9h + f`` (qkv 3h^2+3h, projection h^2+h, MLP h*f+f and f*h+h, two layer
+norms 4h), which is ``12h^2 + 13h`` for the usual ``f = 4h``; plus the token embedding ``V h``,
+the position embedding ``S h``, the final layer norm ``2h``, and an output head ``V h`` unless
+it is tied to the token embedding.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from shardwise.planner.errors import PlanError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer."""
+
+    layers: int
+    """Transformer blocks, L."""
+    hidden: int
+    """Model width, h."""
+    heads: int
+    """Attention heads, a (must divide ``hidden``)."""
+    seq_len: int
+    """Sequence length in tokens, s."""
+    vocab: int
+    """Vocabulary size, V."""
+    ffn_hidden: int = 0
+    """Width of the MLP's inner layer, f; 0 means 4h. (A SwiGLU MLP of width w counts as 1.5w.)"""
+    tied_embeddings: bool = True
+    """Whether the output head shares the token embedding's weights (GPT-2/3 do)."""
+    name: str = "custom"
+    """Preset name, for the report."""
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "hidden", "heads", "seq_len", "vocab"):
+            if getattr(self, field) < 1:
+                raise PlanError("model", getattr(self, field), f"has {field} below 1",
+                                "give L,H,A,S,V as five positive integers")
+        if self.hidden % self.heads:
+            raise PlanError("model", f"hidden={self.hidden}, heads={self.heads}",
+                            "has heads that do not divide hidden", "pick heads dividing hidden")
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's inner width f (4h unless set)."""
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer block: 4h^2 + 2hf + 9h + f."""
+        h, f = self.hidden, self.ffn
+        return 4 * h * h + 2 * h * f + 9 * h + f
+
+    @property
+    def embedding_params(self) -> int:
+        """Token and position embeddings: V h + S h."""
+        return (self.vocab + self.seq_len) * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """Final layer norm, plus the output head when untied: 2h (+ V h)."""
+        return 2 * self.hidden + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    @property
+    def params(self) -> int:
+        """All parameters, P."""
+        return self.layers * self.layer_params + self.embedding_params + self.head_params
+
+    def flops_per_token(self, recompute: bool = False) -> float:
+        """Training FLOPs per token: 6 per weight that multiplies, plus attention scores.
+
+        Per block ``6 * layer_params + 12 s h`` (forward 2, backward 4 per weight; ``12 s h``
+        for Q K^T and the attention-weighted V, PaLM's count), plus ``6 V h`` for the output
+        head; embedding lookups cost nothing. This is ``6 P + 12 L s h`` less the embedding
+        tables (0.3% of GPT-3 175B). With full recomputation every block runs its forward twice:
+        block terms x 4/3, i.e. ``8 P`` (Narayanan et al. 2021, eq. 3).
+        """
+        return self.layers * self.block_flops(recompute) + self.head_flops
+
+    def block_flops(self, recompute: bool = False) -> float:
+        """Training FLOPs of one block per token: 6 layer_params + 12 s h (x 4/3 recomputing)."""
+        block = 6 * self.layer_params + 12 * self.seq_len * self.hidden
+        return block * (4 / 3 if recompute else 1)
+
+    @property
+    def head_flops(self) -> float:
+        """Training FLOPs of the output head per token: 6 V h (never recomputed)."""
+        return 6 * self.vocab * self.hidden
+
+    def describe(self) -> str:
+        """One line: ``175B: L=96 h=12288 a=96 s=2048 V=50257, 174.6e9 parameters``."""
+        return (f"{self.name}: L={self.layers} h={self.hidden} a={self.heads} s={self.seq_len} "
+                f"V={self.vocab}, {self.params / 1e9:.4g}e9 parameters")
+
+    def to_dict(self) -> dict:
+        """All fields and the parameter count, for ``--format json``."""
+        return {**asdict(self), "params": self.params}
+
+
+PRESETS: dict[str, ModelSpec] = {
+    # shardwise's own reference GPT at its defaults (untied head, as in models/gpt.py).
+    "gpt-tiny": ModelSpec(4, 128, 4, 128, 256, tied_embeddings=False, name="gpt-tiny"),
+    # GPT-3 6.7B and 13B shapes (Brown et al. 2020, Table 2.1; 13B with 40 heads of 128).
+    "7B": ModelSpec(32, 4096, 32, 2048, 50257, name="7B"),
+    "13B": ModelSpec(40, 5120, 40, 2048, 50257, name="13B"),
+    # Llama-2-70B: grouped-query attention (2.25 h^2 per layer) and a SwiGLU MLP of 28672
+    # (10.5 h^2) hold as many parameters as 4 h^2 + 2 h f with f = 35840; untied head.
+    "70B": ModelSpec(80, 8192, 64, 4096, 32000, ffn_hidden=35840, tied_embeddings=False,
+                     name="70B"),
+    # GPT-3 175B (Brown et al. 2020): 96 layers, width 12288, 96 heads, 2048 tokens.
+    "175B": ModelSpec(96, 12288, 96, 2048, 50257, name="175B"),
+}
+"""Named models; the keys are matched case-insensitively."""
+
+
+def parse_model(text: str) -> ModelSpec:
+    """A preset name (``175B``, ``gpt-tiny``, ...) or five integers ``L,H,A,S,V``."""
+    for key, spec in PRESETS.items():
+        if key.lower() == text.strip().lower():
+            return spec
+    parts = text.split(",")
+    if len(parts) == 5 and all(p.strip().isdigit() for p in parts):
+        layers, hidden, heads, seq_len, vocab = (int(p) for p in parts)
+        return ModelSpec(layers, hidden, heads, seq_len, vocab, name=text.replace(" ", ""))
+    raise PlanError("model", text, "is neither a preset nor L,H,A,S,V",
+                    f"use one of {', '.join(PRESETS)}, or e.g. 24,2048,16,2048,50257")

@@ -1,0 +1,102 @@
+"""Printing a plan: a ranked table (rich) or JSON, and the estimated time to train.
+
+``rich`` is imported only when a table is printed, so the planner itself stays stdlib-only.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import TextIO
+
+from shardwise.planner.cost import Estimate
+from shardwise.planner.explain import why_lost
+from shardwise.planner.search import Plan
+from shardwise.planner.units import fmt_bytes, fmt_count, fmt_seconds
+
+
+def train_line(plan: Plan, tokens: float) -> str:
+    """``Estimated time to train on 3e+11 tokens: 26.1 days (...)``, or why there is none."""
+    w = plan.winner
+    if w is None:
+        return f"Estimated time to train on {fmt_count(tokens)} tokens: none (no layout fits)."
+    steps = tokens / w.tokens_per_step
+    days = fmt_seconds(w.time_to_train(tokens))
+    return (f"Estimated time to train on {fmt_count(tokens)} tokens: {days}"
+            f" ({steps:,.0f} steps of {w.tokens_per_step:,} tokens at {fmt_seconds(w.step_s)},"
+            f" {w.tokens_per_s:,.0f} tokens/s, MFU {w.mfu:.1%}) with {w.layout.describe()}"
+            f" on {plan.hardware.world_size} x {plan.hardware.name}.")
+
+
+def _others(plan: Plan, top: int) -> list[Estimate]:
+    """The best layout of each kind that the top rows do not already show."""
+    shown = {e.layout.kind for e in plan.ranked[:top]}
+    return [e for kind, e in plan.per_kind.items() if kind not in shown]
+
+
+def _row(e: Estimate, plan: Plan, tokens: float, label: str) -> list[str]:
+    w = plan.winner
+    verdict = "winner" if e is w else (why_lost(e, w) if w else e.why_not)
+    fits = e.fits
+    return [label, e.layout.describe(),
+            f"{fmt_bytes(e.memory_total)} / {fmt_bytes(e.capacity)}",
+            fmt_seconds(e.step_s) if fits else "-",
+            fmt_seconds(e.comm_exposed_s) if fits else "-",
+            f"{e.bubble:.1%}" if e.layout.pp > 1 and fits else "-",
+            f"{e.mfu:.1%}" if fits else "-",
+            fmt_seconds(e.time_to_train(tokens)) if fits else "-", verdict]
+
+
+HEADERS = ("#", "layout", "memory / device", "step", "exposed comm", "bubble", "MFU",
+           "time to train", "why not first")
+
+
+def print_table(plan: Plan, top: int, tokens: float, out: TextIO | None = None) -> None:
+    """The ranked layouts, the best of the other kinds, the verdict and the time to train."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out = out or sys.stdout
+    console = Console(file=out, width=None if out.isatty() else 200, soft_wrap=False)
+    console.print(f"[bold]model[/] {plan.model.describe()}")
+    console.print(f"[bold]machine[/] {plan.hardware.describe()}")
+    b = plan.batch
+    console.print(f"[bold]batch[/] {b.global_batch} sequences x {plan.model.seq_len} tokens, "
+                  f"{b.precision}, {b.optimizer}")
+    table = Table(title=f"Fastest layouts that fit (top {top} of {len(plan.ranked)} families)")
+    for h in HEADERS:
+        table.add_column(h, overflow="fold")
+    for i, e in enumerate(plan.ranked[:top], 1):
+        table.add_row(*_row(e, plan, tokens, str(i)))
+    for e in _others(plan, top):
+        table.add_row(*_row(e, plan, tokens, "best " + e.layout.kind))
+    console.print(table)
+    if plan.winner is not None:
+        console.print("[bold]memory of the winner[/] (" + plan.winner.memory_role + "): "
+                      + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.winner.memory.items()))
+    console.print(plan.explanation, highlight=False)
+    console.print(f"[bold]{train_line(plan, tokens)}[/]", highlight=False)
+
+
+def to_json(plan: Plan, top: int, tokens: float) -> str:
+    """The plan as JSON: inputs, verdict, winner, top rows and the other kinds' best."""
+    w = plan.winner
+
+    def entry(e: Estimate) -> dict:
+        return {**e.to_dict(), "time_to_train_s": e.time_to_train(tokens) if e.fits else None,
+                "why_not_first": None if e is w else (why_lost(e, w) if w else e.why_not)}
+
+    doc = {
+        "model": plan.model.to_dict(), "hardware": plan.hardware.to_dict(),
+        "batch": {"global_batch": plan.batch.global_batch, "precision": plan.batch.precision,
+                  "optimizer": plan.batch.optimizer},
+        "tokens": tokens,
+        "guide": {"case": plan.guide.case, "advice": plan.guide.advice,
+                  "winner_matches": bool(w and plan.guide.matches(w.layout))},
+        "explanation": plan.explanation,
+        "time_to_train_s": w.time_to_train(tokens) if w else None,
+        "summary": train_line(plan, tokens),
+        "winner": entry(w) if w else None,
+        "ranked": [entry(e) for e in plan.ranked[:top]],
+        "other_kinds": [entry(e) for e in _others(plan, top)],
+    }
+    return json.dumps(doc, indent=2)
