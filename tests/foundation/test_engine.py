@@ -45,7 +45,7 @@ def test_single_engine_equals_plain_pytorch():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        plain.append(float(loss))
+        plain.append(loss.item())
     assert ours == plain  # the same ops in the same order: bit-identical
     torch.testing.assert_close(engine.full_state_dict(), dict(model.named_parameters()), rtol=0, atol=0)
 

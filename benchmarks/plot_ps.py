@@ -1,0 +1,49 @@
+"""One PNG of the parameter-server rows: loss curves and throughput of sync / async / ssp (s=2)
+with worker 1 at 3x step time, next to allreduce DP with the same straggler.
+
+    python -m benchmarks.run ps --reps 3 && python -m benchmarks.plot_ps
+writes benchmarks/results/ps_straggler.png from benchmarks/results/ps-*.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+MODES = [("sync", "ps-sync-straggler3x"), ("async", "ps-async-straggler3x"),
+         ("ssp s=2", "ps-ssp2-straggler3x")]
+
+
+def main() -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = {label: json.load(open(os.path.join(RESULTS, f"{name}.json"))) for label, name in MODES}
+    fig, (ax_loss, ax_rate) = plt.subplots(1, 2, figsize=(11, 4))
+    names, rates = [], []
+    for label, r in rows.items():
+        ax_loss.plot(range(1, len(r["ours"]["extra"]["losses"]) + 1), r["ours"]["extra"]["losses"],
+                     label=f"ps {label}")
+        names.append(f"ps {label}")
+        rates.append(r["ours"]["items_per_s"])
+    peer = rows["sync"].get("peer_result")
+    if peer:
+        ax_loss.plot(range(1, len(peer["extra"]["losses"]) + 1), peer["extra"]["losses"],
+                     "--", label="allreduce DP (worker 0)")
+        names.append("allreduce DP")
+        rates.append(peer["items_per_s"])
+    ax_loss.set(xlabel="step (ps: mean of the workers' losses)", ylabel="train loss",
+                title="loss, worker 1 at 3x step time")
+    ax_loss.legend()
+    ax_rate.bar(names, rates, color=["C0", "C1", "C2", "C3"][:len(rates)])
+    ax_rate.set(ylabel="tokens/s (whole run, median of reps)", title="throughput")
+    for i, v in enumerate(rates):
+        ax_rate.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
+    fig.tight_layout()
+    out = os.path.join(RESULTS, "ps_straggler.png")
+    fig.savefig(out, dpi=100)
+    return out
+
+
+if __name__ == "__main__":
+    print(main())

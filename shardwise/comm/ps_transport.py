@@ -1,0 +1,174 @@
+"""Parameter-server transport: task names, the byte-balanced parameter split, and point-to-point
+links between each ps task and each worker, over torch.distributed (gloo or NCCL).
+
+Why point-to-point and not ``torch.distributed.rpc``: the RPC package has had no real development
+for years (TensorPipe is archived) and does not run on every build; the ps protocol needs only
+"push a flat gradient, get flat parameters back", which is two send/recv pairs per (ps, worker).
+
+Why one 2-rank process group per (ps task, worker, direction): measured on gloo (torch 2.13),
+``Work.is_completed()`` of an ``irecv`` never turns true until ``wait()`` is called, and a
+``wait(timeout)`` that times out closes that group's connection for good. So a ps cannot poll
+several workers on one group, nor retry after a timeout. With its own group per link, one
+receiver thread per worker blocks on that worker's link only; a dead or hung worker poisons its
+own link and nothing else; the ps main thread takes messages from a queue with a Python deadline
+(a worker that dies is seen at once, when its connection closes; one that hangs, at the deadline).
+Each direction has its own group so a thread's receive and the main thread's send never share one.
+
+Messages are flat fp32 tensors ``[header | payload]``:
+    push (worker -> ps j)  header = (clock, version pulled, loss)   payload = grads of j's params
+    pull (ps j -> worker)  header = (version, mean loss of the step, 0)  payload = j's params
+Metered under the op names ``ps_push`` and ``ps_pull`` (exact bytes, both ends).
+"""
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm.collectives import Comm
+
+HEADER = 3
+
+
+def task_name(rank: int, num_ps: int) -> str:
+    """TensorFlow-style task name of a global rank: /job:ps/task:i or /job:worker/task:j."""
+    return f"/job:ps/task:{rank}" if rank < num_ps else f"/job:worker/task:{rank - num_ps}"
+
+
+def partition_by_bytes(sizes: list[int], num_ps: int) -> list[list[int]]:
+    """Greedy by tensor: largest first, each to the least-loaded ps. Returns indices per ps,
+    each list in the original (model) order, so every rank packs tensors identically."""
+    loads, owned = [0] * num_ps, [[] for _ in range(num_ps)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        j = min(range(num_ps), key=lambda j: (loads[j], j))
+        loads[j] += sizes[i]
+        owned[j].append(i)
+    return [sorted(o) for o in owned]
+
+
+def pack(header: tuple[float, ...], tensors, out: torch.Tensor) -> torch.Tensor:
+    """Write ``header`` then every tensor (flattened, None = zeros) into the flat ``out``."""
+    out[:HEADER] = torch.tensor(header, dtype=out.dtype)
+    pos = HEADER
+    for t in tensors:
+        n = t.numel()
+        out[pos:pos + n].copy_(t.reshape(-1))
+        pos += n
+    return out
+
+
+def unpack(flat: torch.Tensor, tensors, offset: int = HEADER) -> None:
+    """Copy ``flat`` from ``offset`` on back into ``tensors`` (in place, same order as pack)."""
+    pos = offset
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[pos:pos + n].view_as(t))
+        pos += n
+
+
+class LinkLost(RuntimeError):
+    """A peer did not answer within its deadline, or its connection broke."""
+
+
+class Links:
+    """The (ps j, worker w) push and pull groups; every rank builds all of them, in one order."""
+
+    def __init__(self, num_ps: int, num_workers: int, rank: int):
+        self.num_ps, self.num_workers, self.rank = num_ps, num_workers, rank
+        self.push, self.pull = {}, {}
+        for j in range(num_ps):
+            for w in range(num_workers):
+                members = [j, num_ps + w]
+                for table in (self.push, self.pull):
+                    pg = dist.new_group(members)  # collective over the world: all ranks call it
+                    if rank in members:
+                        table[(j, w)] = pg
+
+    def peer(self, j: int, w: int) -> int:
+        """Global rank at the other end of link (j, w) from this rank."""
+        return self.num_ps + w if self.rank == j else j
+
+
+def _wait(work, seconds: float, what: str) -> None:
+    try:
+        work.wait(datetime.timedelta(seconds=seconds))
+    except RuntimeError as exc:
+        raise LinkLost(f"{what}: {exc}") from None
+
+
+class WorkerEnd:
+    """A worker's side: push to every ps, then wait for every ps's parameters."""
+
+    def __init__(self, links: Links, comm: Comm, w: int, timeout: float):
+        self.links, self.comm, self.w, self.timeout = links, comm, w, timeout
+        self.sends = {}
+
+    def push(self, j: int, msg: torch.Tensor) -> None:
+        self.wait_pushed(j)
+        self.sends[j] = dist.isend(msg, j, group=self.links.push[(j, self.w)])
+        self.comm.meter.record("ps_push", msg.numel() * 4, 0)
+
+    def wait_pushed(self, j: int) -> None:
+        """Block until the previous push to ps j has left (its buffer may then be rewritten)."""
+        if j in self.sends:
+            _wait(self.sends.pop(j), self.timeout, f"push to {task_name(j, self.links.num_ps)}")
+
+    def pull(self, j: int, buf: torch.Tensor) -> None:
+        work = dist.irecv(buf, j, group=self.links.pull[(j, self.w)])
+        _wait(work, self.timeout, f"no parameters from {task_name(j, self.links.num_ps)} "
+              f"within {self.timeout:.0f} s")
+        self.comm.meter.record("ps_pull", 0, buf.numel() * 4)
+
+    def close(self) -> None:
+        for j, work in self.sends.items():
+            _wait(work, self.timeout, f"push to {task_name(j, self.links.num_ps)}")
+        self.sends.clear()
+
+
+class ServerEnd:
+    """A ps task's side: one receiver thread per worker feeding a queue; replies from the caller.
+
+    Each worker has one push buffer: it sends its next gradient only after the ps has replied to
+    the previous one, and the ps replies only after applying it, so the buffer is never reused
+    while still needed.
+    """
+
+    def __init__(self, links: Links, comm: Comm, j: int, msg_numel: int, messages: int,
+                 timeout: float):
+        self.links, self.comm, self.j, self.timeout = links, comm, j, timeout
+        self.inbox: queue.Queue = queue.Queue()
+        self.bufs = [torch.empty(msg_numel) for _ in range(links.num_workers)]
+        self.sends = {}
+        for w in range(links.num_workers):
+            threading.Thread(target=self._receive, args=(w, messages), daemon=True).start()
+
+    def _receive(self, w: int, messages: int) -> None:
+        pg, src = self.links.push[(self.j, w)], self.links.num_ps + w
+        try:
+            for _ in range(messages):
+                # no deadline here: the worker may be held legitimately (sync, ssp) for as long
+                # as the ps waits on someone else; the ps main thread owns the deadlines
+                dist.irecv(self.bufs[w], src, group=pg).wait()
+                self.inbox.put((w, self.bufs[w], None))
+        except Exception as exc:  # a dead worker's link breaks: report it, end this link only
+            self.inbox.put((w, None, exc))
+
+    def take(self, seconds: float):
+        """(worker, message, error) of the next arrival; raises queue.Empty after ``seconds``."""
+        w, msg, err = self.inbox.get(timeout=seconds)
+        if msg is not None:
+            self.comm.meter.record("ps_push", 0, msg.numel() * 4)
+        return w, msg, err
+
+    def reply(self, w: int, msg: torch.Tensor) -> None:
+        """Send ``msg`` to worker w (the caller must not touch ``msg`` until the next reply)."""
+        self.wait_sent(w)
+        self.sends[w] = dist.isend(msg, self.links.num_ps + w, group=self.links.pull[(self.j, w)])
+        self.comm.meter.record("ps_pull", msg.numel() * 4, 0)
+
+    def wait_sent(self, w: int) -> None:
+        if w in self.sends:
+            _wait(self.sends.pop(w), self.timeout, f"reply to /job:worker/task:{w}")

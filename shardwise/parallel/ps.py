@@ -1,0 +1,217 @@
+"""Parameter-server training (TensorFlow's ps / worker jobs, seed 002; Li et al., "Scaling
+Distributed Machine Learning with the Parameter Server", OSDI 2014).
+
+Roles: global ranks 0..P-1 are the ps tasks /job:ps/task:i, ranks P..P+W-1 the workers
+/job:worker/task:j (between-graph replication: every worker runs the whole model on its own rows).
+
+Partition: the parameter tensors are split over the P ps tasks, balanced by bytes (greedy by
+tensor, largest first). Each ps task holds the optimizer for its tensors and applies the updates;
+workers hold a full copy of the parameters and no optimizer.
+
+Traffic per step (K = model bytes): each worker pushes its gradients (K in all, K/P to each ps)
+and pulls the parameters (K); the busiest ps task receives and sends about W*K/P each way, against
+2(N-1)/N*K per rank for a ring allreduce. Transport: point-to-point over torch.distributed
+(comm/ps_transport.py, which says why not torch RPC), metered as ``ps_push`` / ``ps_pull``.
+
+Memory per rank: a worker P + G (full parameters and gradients, no optimizer states); a ps task
+its share of P, G and the optimizer states (~K/P each), plus the model replica the training loop
+built, which it uses only to gather the whole model for evaluation and checkpoints.
+
+Modes (parallel.ps_mode; the ps side is in ps_server.py): sync = one averaged update per step,
+equal to single-process training on the global batch; async = each gradient applied on arrival
+with weight 1/W; ssp = async with a worker at most ``staleness`` clocks ahead of the slowest.
+
+The training loop calls train_step on every rank every step: a worker computes, pushes and pulls;
+a ps task serves until every live worker's push for that step has been applied and answered, so
+the loop's collectives (evaluation, logging) meet every rank at the same step. Between two such
+collectives (every ``log_every`` / ``eval_every`` steps) async workers run freely. evaluate,
+full_state_dict and state_dict are collectives: every ps broadcasts its tensors to the world.
+A world of one has no worker: the strategy needs at least one ps and one worker.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+from shardwise.comm.ps_transport import HEADER, Links, ServerEnd, WorkerEnd, pack, \
+    partition_by_bytes, task_name, unpack
+from shardwise.config import ConfigError
+from shardwise.parallel.base import OptimizerFactory, Strategy, optimizer_state_bytes, tensor_bytes
+from shardwise.parallel.ps_server import ParamServer
+
+
+def parse_straggler(spec: str, num_workers: int) -> dict[int, float]:
+    """'1:3,2:1.5' -> {1: 3.0, 2: 1.5}: worker index -> step-time factor (>= 1)."""
+    out = {}
+    for part in filter(None, (s.strip() for s in spec.split(","))):
+        try:
+            w, factor = part.split(":")
+            w, factor = int(w), float(factor)
+        except ValueError:
+            raise ConfigError("parallel.straggler", spec, f"cannot read {part!r}",
+                              "write WORKER:FACTOR[,WORKER:FACTOR], e.g. '1:3'") from None
+        if not 0 <= w < num_workers or factor < 1:
+            raise ConfigError("parallel.straggler", spec, f"worker {w} / factor {factor} out of "
+                              f"range", f"use workers 0..{num_workers - 1} and factors >= 1")
+        out[w] = factor
+    return out
+
+
+class ParameterServerStrategy(Strategy):
+    """ps tasks own byte-balanced shards of the parameters and their optimizer; workers compute."""
+    name = "ps"
+
+    def __init__(self, cfg, mesh, comm, device, loss_fn):
+        super().__init__(cfg, mesh, comm, device, loss_fn)
+        p = cfg.parallel
+        self.num_ps = p.num_ps
+        self.num_workers = p.num_workers or mesh.world_size - p.num_ps
+        self.is_ps = mesh.rank < self.num_ps
+        self.task = task_name(mesh.rank, self.num_ps)
+        self.worker = None if self.is_ps else mesh.rank - self.num_ps
+        self.straggle = parse_straggler(p.straggler, self.num_workers).get(self.worker, 1.0)
+        self.steps_done = 0
+        self.server: ParamServer | None = None
+
+    # -- set-up ---------------------------------------------------------------------------
+    def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
+        self.model = model.to(self.device)
+        self.params = list(self.model.parameters())
+        sizes = [t.numel() * t.element_size() for t in self.params]
+        self.shards = [[self.params[i] for i in idx]
+                       for idx in partition_by_bytes(sizes, self.num_ps)]
+        self.msg_numel = [HEADER + sum(t.numel() for t in s) for s in self.shards]
+        timeout = self.cfg.parallel.ps_timeout
+        links = Links(self.num_ps, self.num_workers, self.mesh.rank)
+        if self.is_ps:
+            mine = self.shards[self.mesh.rank]
+            self.optimizer = optimizer_factory(mine)
+            end = ServerEnd(links, self.comm, self.mesh.rank, self.msg_numel[self.mesh.rank],
+                            self.cfg.train.steps, timeout)
+            self.server = ParamServer(mine, self.optimizer, end, self.num_workers, self.cfg)
+        else:
+            self.optimizer = None
+            # a worker waits longer than a ps, so the ps names a failed worker first
+            self.end = WorkerEnd(links, self.comm, self.worker, 2 * timeout)
+            self.push_bufs = [torch.empty(n) for n in self.msg_numel]
+            self.pull_bufs = [torch.empty(n) for n in self.msg_numel]
+            self.versions = [0] * self.num_ps
+
+    def data_shard(self) -> tuple[int, int]:
+        """Worker j trains on rows j/W; a ps task gets worker 0's rows and ignores them."""
+        return (0 if self.is_ps else self.worker), self.num_workers
+
+    def set_lr(self, lr: float) -> None:
+        if self.optimizer is not None:  # only ps tasks hold an optimizer
+            super().set_lr(lr)
+
+    # -- one step -------------------------------------------------------------------------
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """ps: serve this step; worker: compute, push, pull. Returns the step's mean loss
+        (sync: the global batch's, on every rank; async / ssp: the worker's own, the ps the mean
+        of what the workers sent)."""
+        step, self.steps_done = self.steps_done, self.steps_done + 1
+        last = self.steps_done == self.cfg.train.steps
+        if self.is_ps:
+            return self.server.serve(step, last)
+        t0 = time.perf_counter()
+        loss = self._compute(x, y)
+        if self.straggle > 1:  # injected delay: this worker takes `factor` times its step time
+            time.sleep((self.straggle - 1) * (time.perf_counter() - t0))
+        mean = self._push_pull(loss)
+        if last:
+            self.end.close()
+        return mean if self.cfg.parallel.ps_mode == "sync" else loss
+
+    def _compute(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward / backward over grad_accum micro-batches; gradients left in .grad."""
+        xs, ys = x.chunk(self.grad_accum), y.chunk(self.grad_accum)
+        total = 0.0
+        for xm, ym in zip(xs, ys):
+            loss = self.loss_fn(self.forward(xm.to(self.device)), ym.to(self.device))
+            (loss / len(xs)).backward()
+            total += float(loss.detach())
+        return total / len(xs)
+
+    @torch.no_grad()
+    def _push_pull(self, loss: float) -> float:
+        """Push each ps its gradients, then take its parameters back; the ps 0 header's loss."""
+        clock = self.steps_done
+        for j, shard in enumerate(self.shards):
+            self.end.wait_pushed(j)
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in shard]
+            self.end.push(j, pack((clock, self.versions[j], loss), grads, self.push_bufs[j]))
+        for j, shard in enumerate(self.shards):
+            self.end.pull(j, self.pull_bufs[j])
+            self.versions[j] = int(self.pull_bufs[j][0])
+            unpack(self.pull_bufs[j], shard)
+        for t in self.params:
+            t.grad = None
+        return float(self.pull_bufs[0][1])
+
+    def step(self) -> None:
+        raise NotImplementedError("ps: use train_step (the ps tasks own the optimizer step)")
+
+    # -- whole-model views (collectives over the world) -------------------------------------
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Every rank's model takes the ps tasks' current parameters (one broadcast per ps)."""
+        for j, shard in enumerate(self.shards):
+            flat = torch.empty(self.msg_numel[j])
+            if self.mesh.rank == j:
+                pack((0.0, 0.0, 0.0), shard, flat)
+            self.comm.broadcast(flat, j, self.mesh.world, name="ps_gather")
+            unpack(flat, shard)
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float | None]:
+        """Mean loss (and accuracy) of the current ps parameters over the workers' rows."""
+        self.gather_params()
+        sums = torch.zeros(3)  # (loss, accuracy, workers) summed over the world
+        acc = False
+        if not self.is_ps:
+            self.model.eval()
+            out = self.forward(x.to(self.device))
+            self.model.train()
+            y = y.to(self.device)
+            acc = out.dim() == 2
+            sums[0] = self.loss_fn(out, y)
+            sums[1] = (out.argmax(-1) == y).float().mean() if acc else 0.0
+            sums[2] = 1.0
+        flag = torch.tensor([float(acc)])
+        self.comm.all_reduce(sums, self.mesh.world, name="metrics")
+        self.comm.all_reduce(flag, self.mesh.world, op="max", name="metrics")
+        return float(sums[0] / sums[2]), (float(sums[1] / sums[2]) if float(flag) else None)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model from the ps tasks, on every rank (a collective: all ranks call it)."""
+        self.gather_params()
+        return super().full_state_dict()
+
+    def state_dict(self) -> dict:
+        self.gather_params()
+        return {"model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.is_ps else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        if self.is_ps and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def stats(self) -> dict:
+        """ps task: its update records (see ParamServer.stats); worker: its task name only."""
+        return self.server.stats() if self.is_ps else {"task": self.task}
+
+    def memory_ledger(self) -> dict[str, int]:
+        buffers = sum(self.msg_numel) * 4 * 2
+        if self.is_ps:
+            mine = self.shards[self.mesh.rank]
+            return {"parameters": tensor_bytes(mine), "gradients": tensor_bytes(mine),
+                    "optimizer_states": optimizer_state_bytes(self.optimizer),
+                    "master_weights": 0,
+                    "comm_buffers": self.msg_numel[self.mesh.rank] * 4 * (2 * self.num_workers + 1),
+                    "replica_for_gather": tensor_bytes(self.params)}
+        return {"parameters": tensor_bytes(self.params), "gradients": tensor_bytes(self.params),
+                "optimizer_states": 0, "master_weights": 0, "comm_buffers": buffers}

@@ -1,0 +1,176 @@
+"""The ps task's side of parameter-server training: apply the workers' gradients to the
+parameters this task owns, in sync, async or bounded-staleness (ssp) order, and answer each
+worker with fresh parameters.
+
+Clocks and versions (per ps task):
+    clock of worker w   gradients w has pushed so far (its push for step k carries clock k+1)
+    version             updates this ps has applied so far (the parameters a worker pulls carry it)
+    staleness           of an applied gradient: updates applied between the worker's pull of the
+                        parameters it used and this application (version now - version pulled)
+
+sync  every live worker's gradient for step k is summed in worker order, divided by the number of
+      live workers, applied once (version += 1, staleness 0); then every worker gets the result.
+async each gradient is applied on arrival with weight 1 / num_workers (version += 1 each) and its
+      worker is answered at once.
+ssp   as async, but the answer to a worker whose clock is more than ``staleness`` ahead of the
+      slowest live worker's is held back until the slowest catches up (Ho et al., "More Effective
+      Distributed ML via a Stale Synchronous Parallel Parameter Server", NIPS 2013). With
+      staleness 0 and plain SGD this is exactly sync: every worker computes on the same version
+      and the N applications of g_w / N sum to one step on the mean gradient.
+
+``serve(k)`` returns once every live worker's push for step k has been applied and answered, so
+the training loop's collectives (evaluation, logging) meet every rank at the same step.
+Failures: a worker that sends nothing for ``ps_timeout`` seconds, or whose link breaks, is named
+(/job:worker/task:w); sync with on_worker_failure=stop raises, anything else drops it and goes on
+with the rest (sync then averages over the survivors).
+"""
+from __future__ import annotations
+
+import math
+import queue
+import sys
+
+import torch
+
+from shardwise.comm.ps_transport import HEADER, ServerEnd, pack, task_name, unpack
+
+
+class ParamServer:
+    """Parameters, optimizer and update bookkeeping of one ps task."""
+
+    def __init__(self, params: list, optimizer, end: ServerEnd, num_workers: int, cfg):
+        p = cfg.parallel
+        self.params, self.optimizer, self.end = params, optimizer, end
+        self.num_workers, self.mode, self.staleness = num_workers, p.ps_mode, p.staleness
+        self.stop_on_failure = p.ps_mode == "sync" and p.on_worker_failure == "stop"
+        self.timeout, self.num_ps = p.ps_timeout, p.num_ps
+        self.version, self.clocks = 0, [0] * num_workers
+        self.live, self.failed = set(range(num_workers)), {}
+        self.applied = [0] * num_workers        # gradients applied, per worker
+        self.records: list[dict] = []           # one per applied gradient
+        self.releases: list[dict] = []          # one per answer sent (ssp bound evidence)
+        self.losses: dict[int, list[float]] = {}  # clock -> losses the workers sent with it
+        self.deferred: set[int] = set()
+        numel = sum(t.numel() for t in params)
+        self.reply_bufs = [torch.empty(HEADER + numel) for _ in range(num_workers)]
+        self.grad_sum = torch.zeros(numel)
+        for t in params:
+            t.grad = torch.zeros_like(t)
+
+    # -- one training-loop step -------------------------------------------------------------
+    def serve(self, step: int, last: bool) -> float:
+        """Serve until every live worker's push for ``step`` is applied and answered."""
+        target = step + 1
+        if self.mode == "sync":
+            loss = self._serve_sync(target)
+        else:
+            while self.live and self._min_clock() < target:
+                self._take_one(target, self._apply_async)
+            loss = _mean(self.losses.pop(target, []))
+        if last:
+            for w in list(self.live):
+                self.end.wait_sent(w)
+        return loss
+
+    def _serve_sync(self, target: int) -> float:
+        arrived: dict[int, torch.Tensor] = {}
+        while self.live - set(arrived):
+            self._take_one(target, lambda w, msg: arrived.__setitem__(w, msg))
+        ws = sorted(w for w in arrived if w in self.live)
+        self.grad_sum.zero_()
+        for w in ws:  # fixed order: the sum is the same whatever order the pushes came in
+            self.grad_sum += arrived[w][HEADER:]
+        self.grad_sum /= len(ws)
+        losses = [float(arrived[w][2]) for w in ws]
+        for w in ws:
+            self._record(w, int(arrived[w][0]), int(arrived[w][1]))
+        self._step(self.grad_sum)
+        loss = _mean(losses)
+        for w in ws:
+            self._answer(w, loss)
+        return loss
+
+    # -- messages -----------------------------------------------------------------------------
+    def _take_one(self, target: int, handle) -> None:
+        """Wait for the next push (or failure) and hand a push to ``handle(w, msg)``."""
+        try:
+            w, msg, err = self.end.take(self.timeout)
+        except queue.Empty:
+            waiting = [w for w in sorted(self.live) if self.clocks[w] < target]
+            self._fail(waiting, f"no gradient for step {target - 1} within {self.timeout:.0f} s")
+            return
+        if err is not None:
+            self._fail([w], f"link broke ({err})")
+        elif w in self.live:
+            self.clocks[w] = int(msg[0])
+            handle(w, msg)
+
+    def _apply_async(self, w: int, msg: torch.Tensor) -> None:
+        clock, pulled, loss = int(msg[0]), int(msg[1]), float(msg[2])
+        self.losses.setdefault(clock, []).append(loss)
+        self._record(w, clock, pulled)
+        self.grad_sum.copy_(msg[HEADER:]).div_(self.num_workers)
+        self._step(self.grad_sum)
+        self.deferred.add(w)
+        self._release()
+
+    def _release(self) -> None:
+        """Answer every held worker the ssp bound allows (async: all of them)."""
+        if not self.live:
+            return
+        low = self._min_clock()
+        bound = math.inf if self.mode == "async" else self.staleness
+        for w in sorted(self.deferred):
+            if self.clocks[w] - low <= bound:
+                self.deferred.discard(w)
+                self._answer(w, math.nan)
+
+    def _answer(self, w: int, loss: float) -> None:
+        self.end.wait_sent(w)  # the reply buffer is free again
+        buf = pack((self.version, loss, 0.0), self.params, self.reply_bufs[w])
+        self.end.reply(w, buf)
+        self.releases.append({"worker": w, "clock": self.clocks[w], "min_clock": self._min_clock(),
+                              "version": self.version})
+
+    def _record(self, w: int, clock: int, pulled: int) -> None:
+        self.applied[w] += 1
+        self.records.append({"worker": w, "clock": clock, "pulled": pulled,
+                             "staleness": self.version - pulled, "min_clock": self._min_clock()})
+
+    def _step(self, flat_grad: torch.Tensor) -> None:
+        """One optimizer step on this task's parameters with ``flat_grad`` as their gradient."""
+        unpack(flat_grad, [t.grad for t in self.params], offset=0)
+        self.optimizer.step()
+        self.version += 1
+
+    def _min_clock(self) -> int:
+        return min((self.clocks[w] for w in self.live), default=0)
+
+    # -- failures -----------------------------------------------------------------------------
+    def _fail(self, workers: list[int], why: str) -> None:
+        names = ", ".join(task_name(self.num_ps + w, self.num_ps) for w in workers)
+        me = task_name(self.end.j, self.num_ps)
+        if self.stop_on_failure:
+            raise RuntimeError(f"{me}: worker {names} failed: {why}; stopping the job "
+                               "(parallel.on_worker_failure=stop; 'continue' goes on without it)")
+        for w in workers:
+            self.live.discard(w)
+            self.deferred.discard(w)
+            self.failed[w] = why
+        print(f"[shardwise {me}] worker {names} failed: {why}; continuing with "
+              f"{len(self.live)} worker(s)", file=sys.stderr, flush=True)
+        if not self.live:
+            raise RuntimeError(f"{me}: every worker has failed (last: {names}: {why})")
+        self._release()
+
+    def stats(self) -> dict:
+        """What happened on this ps task: per-gradient records, answers, counts, failures."""
+        return {"task": task_name(self.end.j, self.num_ps), "version": self.version,
+                "applied": list(self.applied), "clocks": list(self.clocks),
+                "records": list(self.records), "releases": list(self.releases),
+                "failed": {task_name(self.num_ps + w, self.num_ps): why
+                           for w, why in self.failed.items()}}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan

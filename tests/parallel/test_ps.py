@@ -1,0 +1,184 @@
+"""Parameter-server training: sync equals single, ssp(0) equals sync under SGD, async / ssp
+bookkeeping (each gradient applied once, the staleness bound), the loss falls, failures are named.
+
+Tolerances: sync sums the workers' half-batch mean gradients and divides by W, where single takes
+one mean over the whole batch; the two differ in the last bits of fp32, so losses are compared at
+rtol 1e-5 and parameters at rtol 1e-5 plus atol 1e-6 (Adam divides by sqrt(v), which turns a
+last-bit difference in a tiny gradient into a relative one on parameters that sit near zero).
+"""
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from reference import single_run, tiny_config
+from shardwise.comm.ps_transport import HEADER, partition_by_bytes
+from shardwise.config import ConfigError
+from shardwise.parallel.ps import parse_straggler
+from shardwise.runtime import init_runtime
+from shardwise.testing import assert_close_runs, run_world
+from shardwise.train import train
+from shardwise.validate import validate
+
+pytestmark = pytest.mark.timeout(300)
+WHY = "fp32: summation order of the workers' gradients differs from one full-batch mean"
+
+
+def _train(cfg):
+    summary = train(cfg, init_runtime(cfg), quiet=True)
+    engine = summary["engine"]
+    return {"losses": summary["losses"], "params": engine.full_state_dict(),
+            "stats": engine.strategy.stats(), "meter": engine.meter.snapshot()}
+
+
+def _several(rank, n, cfgs):
+    return [_train(cfg) for cfg in cfgs]
+
+
+def _numel(params: dict) -> int:
+    return sum(t.numel() for t in params.values())
+
+
+# -- pure pieces ----------------------------------------------------------------------------
+def test_partition_by_bytes_is_greedy_balanced_and_complete():
+    sizes = [100, 7, 60, 40, 33, 1, 59]
+    owned = partition_by_bytes(sizes, 3)
+    assert sorted(i for o in owned for i in o) == list(range(len(sizes)))
+    loads = [sum(sizes[i] for i in o) for o in owned]
+    # greedy largest-first: no ps is heavier than the lightest plus the largest tensor it holds
+    assert max(loads) - min(loads) <= max(sizes)
+
+
+def test_straggler_and_layout_errors_name_the_field():
+    assert parse_straggler("1:3, 0:1.5", 2) == {1: 3.0, 0: 1.5}
+    for bad in ("1-3", "5:3", "1:0.5"):
+        with pytest.raises(ConfigError, match="parallel.straggler"):
+            parse_straggler(bad, 2)
+    cfg = tiny_config("ps", num_ps=1)  # batch 8 over 3 workers
+    with pytest.raises(ConfigError, match="train.batch_size"):
+        validate(cfg, 4)
+
+
+# -- sync equals single ---------------------------------------------------------------------
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_sync_equals_single(num_ps):
+    cfg = tiny_config("ps", steps=20, num_ps=num_ps, ps_timeout=60.0)
+    world = num_ps + 2
+    results = run_world(_several, world, [cfg], timeout=200)
+    ref_losses, ref_params = single_run(cfg)
+    k = _numel(ref_params)
+    for rank, (res,) in enumerate(results):
+        # every rank reports the global mean loss, and every rank holds the whole final model
+        assert_close_runs(res["losses"], ref_losses, res["params"], ref_params, rtol=1e-5,
+                          atol=1e-6, why=WHY)
+    pushed = 0
+    for j in range(num_ps):
+        stats, meter = results[j][0]["stats"], results[j][0]["meter"]
+        assert stats["task"] == f"/job:ps/task:{j}"
+        assert stats["applied"] == [20, 20] and stats["version"] == 20
+        assert all(r["staleness"] == 0 for r in stats["records"])
+        # traffic: each step the ps receives one [header | its shard] message from each worker
+        shard = meter["ps_push"]["bytes_recv"] // (2 * 20) // 4 - HEADER
+        assert meter["ps_pull"]["bytes_sent"] == 2 * 20 * (HEADER + shard) * 4
+        pushed += shard
+    assert pushed == k  # the ps tasks' shards cover the model exactly once
+
+
+# -- ssp with staleness 0 equals sync under plain SGD --------------------------------------
+def test_ssp0_equals_sync_with_sgd():
+    base = tiny_config("ps", steps=12, num_ps=1, ps_timeout=60.0)
+    base = replace(base, train=replace(base.train, optimizer="sgd", lr=0.5))
+    ssp = replace(base, parallel=replace(base.parallel, ps_mode="ssp", staleness=0))
+    sync_res, ssp_res = run_world(_several, 3, [base, ssp], timeout=200)[0]
+    # applying g_1/2 then g_2/2 with SGD = one step on their mean (up to fp32 rounding)
+    assert_close_runs(ssp_res["losses"], sync_res["losses"], ssp_res["params"],
+                      sync_res["params"], rtol=1e-5, atol=1e-6, why=WHY)
+    assert ssp_res["stats"]["version"] == 2 * 12  # one version per gradient, not per step
+    assert max(r["staleness"] for r in ssp_res["stats"]["records"]) <= 1  # N-1 for s = 0
+
+
+# -- async and ssp bookkeeping on a straggler ----------------------------------------------
+def _straggler_cfg(mode, staleness=2, steps=12):
+    cfg = tiny_config("ps", steps=steps, num_ps=2, ps_timeout=60.0)
+    cfg = replace(cfg, train=replace(cfg.train, batch_size=9))
+    return replace(cfg, parallel=replace(cfg.parallel, ps_mode=mode, staleness=staleness,
+                                         straggler="1:3"),
+                   logging=replace(cfg.logging, log_every=steps))
+
+
+def test_async_and_ssp_apply_every_gradient_once_within_the_bound():
+    steps, s, workers = 12, 1, 3
+    cfgs = [_straggler_cfg("async", steps=steps), _straggler_cfg("ssp", s, steps=steps)]
+    results = run_world(_several, 2 + workers, cfgs, timeout=250)
+    for mode_i, mode in enumerate(("async", "ssp")):
+        for j in range(2):
+            stats = results[j][mode_i]["stats"]
+            # every pushed gradient applied exactly once: each (worker, clock) appears once
+            seen = sorted((r["worker"], r["clock"]) for r in stats["records"])
+            assert seen == [(w, c) for w in range(workers) for c in range(1, steps + 1)], mode
+            assert stats["applied"] == [steps] * workers and stats["version"] == workers * steps
+            if mode == "ssp":
+                # no worker is answered (allowed to compute) more than s clocks ahead of the slowest
+                assert all(r["clock"] - r["min_clock"] <= s for r in stats["releases"])
+                # so at most 2s+1 gradients of each other worker land between pull and apply
+                bound = (workers - 1) * (2 * s + 1)
+                assert max(r["staleness"] for r in stats["records"]) <= bound
+        # every rank ends with the same (the ps tasks') model
+        first = results[0][mode_i]["params"]
+        for res in results[1:]:
+            for name in first:
+                assert torch.equal(res[mode_i]["params"][name], first[name])
+    # the straggler let async run ahead: somebody's gradient was stale
+    assert max(r["staleness"] for r in results[0][0]["stats"]["records"]) > 0
+
+
+def test_async_loss_falls_on_the_gpt():
+    cfg = tiny_config("ps", steps=30, num_ps=1, ps_timeout=60.0)
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=256),
+                  data=replace(cfg.data, dataset="stdlib", max_bytes=200_000),
+                  parallel=replace(cfg.parallel, ps_mode="async"))
+    (res,), _, _ = run_world(_several, 3, [cfg], timeout=200)
+    losses = res["losses"]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+
+
+# -- failures: a hung worker is named; sync stops or continues, async continues --------------
+def _hang_after(rank, n, cfg, fail_step, then="barrier"):
+    """Drive the engine by hand; worker 1 stops answering after ``fail_step`` steps, then
+    rejoins the harness's final barrier (``then='barrier'``) or, after the ps's deadline, raises
+    (``then='raise'``: its peers are gone, so there is no barrier to meet)."""
+    from shardwise.api import optimizer_factory, prepare
+    from shardwise.data import build_data
+    from shardwise.models import build_model, loss_for
+    rt = init_runtime(cfg)
+    engine = prepare(build_model(cfg.model, 0), optimizer_factory(cfg), cfg,
+                     loss_fn=loss_for(cfg.model), runtime=rt)
+    index, count = engine.strategy.data_shard()
+    data, losses = build_data(cfg), []
+    for step in range(cfg.train.steps):
+        if engine.strategy.task == "/job:worker/task:1" and step == fail_step:
+            if then == "raise":
+                time.sleep(3 * cfg.parallel.ps_timeout)
+                raise RuntimeError("worker 1 simulated a hang")
+            return {"task": engine.strategy.task}  # silent from here on (until the last barrier)
+        losses.append(engine.train_step(*data.batch(step, cfg.train.batch_size, index, count)))
+    return {"losses": losses, **engine.strategy.stats()}
+
+
+def _failure_cfg(mode, policy="stop"):
+    cfg = tiny_config("ps", steps=6, num_ps=1, ps_timeout=3.0)
+    return replace(cfg, parallel=replace(cfg.parallel, ps_mode=mode, on_worker_failure=policy))
+
+
+@pytest.mark.parametrize("mode,policy", [("sync", "continue"), ("async", "stop")])
+def test_a_hung_worker_is_named_and_the_rest_go_on(mode, policy):
+    ps, w0, w1 = run_world(_hang_after, 3, _failure_cfg(mode, policy), 2, timeout=120)
+    assert ps["failed"].keys() == {"/job:worker/task:1"}
+    assert ps["applied"] == [6, 2] and len(w0["losses"]) == 6
+    assert all(torch.isfinite(torch.tensor(w0["losses"])))
+
+
+def test_sync_stop_names_the_failed_worker():
+    with pytest.raises(RuntimeError, match=r"/job:ps/task:0: worker /job:worker/task:1 failed"):
+        run_world(_hang_after, 3, _failure_cfg("sync", "stop"), 2, "raise", timeout=120)
