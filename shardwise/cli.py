@@ -88,8 +88,18 @@ def cmd_train(argv: list[str]) -> int:
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     if cfg.parallel.strategy == "auto":
-        return error("parallel.strategy = 'auto': the calibrating planner is not available in this "
-                     "version; fix: pick a strategy, or run 'shardwise plan' for a recommendation")
+        # calibrate here, plan, then run the choice like any other run (docs/planner.md)
+        if launch.under_launcher():
+            return error("parallel.strategy = 'auto' under a launcher: each rank would calibrate "
+                         "on its own; fix: run 'shardwise train --strategy auto' without torchrun "
+                         "(it launches the ranks itself), or pick a strategy")
+        from shardwise.autoplan import choose
+        try:
+            choice = choose(cfg)
+        except ConfigError as exc:
+            return error(str(exc))
+        cfg, argv = choice.config, [*argv, *choice.flags]
+        world = launch.world_size(cfg)
     if world > 1 and not launch.under_launcher():
         return launch.relaunch(world, ["train", *argv])
     from shardwise.runtime import init_runtime, shutdown

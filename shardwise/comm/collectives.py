@@ -125,6 +125,19 @@ class Comm:
 
     def __init__(self, meter: CommMeter | None = None):
         self.meter = meter if meter is not None else CommMeter()
+        self._scratch: dict = {}
+
+    def scratch(self, key: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A reusable 1-D buffer of at least ``numel`` elements (grown on demand, never shrunk).
+
+        Used by algorithms built on send / recv (the ring) for their receive space: allocating
+        fresh memory each call costs more than the transfer on CPU.
+        """
+        buf = self._scratch.get((key, dtype, str(device)))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._scratch[(key, dtype, str(device))] = buf
+        return buf[:numel]
 
     def _run(self, op, fn, sent, recv, async_op, after=None, name=None) -> Work:
         """Call ``fn`` (the backend call), meter it, and hand back a Work (DONE when blocking)."""

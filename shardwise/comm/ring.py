@@ -38,14 +38,36 @@ def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor, group: Group, 
 
 
 def _scatter_reduce(comm: Comm, chunks: list[torch.Tensor], group: Group, name: str) -> None:
-    """In place: afterwards chunks[group.rank] holds the sum over the group of that chunk."""
+    """In place: afterwards chunks[group.rank] holds the sum over the group of that chunk.
+
+    Each step is pipelined in ``PIECES`` pieces: all of a step's receives and sends are posted
+    at once and each piece is added as soon as it lands, so the additions overlap the transfer
+    of the pieces behind them. The receive scratch is the Comm's reusable buffer (fresh
+    allocations are slow on CPU).
+    """
     n, r = group.size, group.rank
-    scratch = torch.empty_like(chunks[0])  # chunk 0 is the largest (tensor_split puts extras first)
+    # chunk 0 is the largest (tensor_split puts the extra elements first)
+    scratch = comm.scratch("ring", chunks[0].numel(), chunks[0].dtype, chunks[0].device)
     for s in range(n - 1):
         out_c, in_c = (r - s - 1) % n, (r - s - 2) % n
-        buf = scratch[: chunks[in_c].numel()]
-        _exchange(comm, chunks[out_c], buf, group, name)
-        chunks[in_c].add_(buf)
+        dst = chunks[in_c]
+        buf = scratch[: dst.numel()]
+        recvs = [(comm.irecv(b, (r - 1) % n, group, name=name), b, d) for b, d in
+                 zip(_pieces(buf), _pieces(dst))]
+        sends = [comm.isend(p, (r + 1) % n, group, name=name) for p in _pieces(chunks[out_c])]
+        for work, piece, target in recvs:
+            work.wait()
+            target.add_(piece)
+        for work in sends:
+            work.wait()
+
+
+PIECES = 4
+
+
+def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
+    """Split a 1-D chunk into up to PIECES contiguous pieces (one piece when it is small)."""
+    return list(torch.tensor_split(t, PIECES)) if t.numel() >= PIECES * 16384 else [t]
 
 
 def _all_gather(comm: Comm, chunks: list[torch.Tensor], group: Group, name: str) -> None:

@@ -1,0 +1,131 @@
+"""Model-parallel rows: shardwise's pipeline against torch.distributed.pipelining (GPipe, 1F1B),
+shardwise's tensor parallel against DTensor tensor parallel, and the measured bubble against
+(p-1)/(m+p-1) for p = 2, 4 and m = 1, 2, 4, 8 (an ours-only row whose ``extra`` is the table).
+Same benchmark GPT (benchmarks.harness.gpt_bench_config), same world (2), same run."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from benchmarks.harness import Row, gpt_bench_config, threads_for, timed_steps
+from benchmarks.peers import ours_tokens_per_s
+from shardwise.data import build_data
+from shardwise.models import build_model, lm_loss
+
+STEPS = 12
+MICRO = 4
+
+
+def _cfg(strategy: str, **parallel):
+    return gpt_bench_config(strategy, parallel=parallel, train={"steps": STEPS},
+                            logging={"schedule_png": "off"})
+
+
+def ours_pp(rank, world, schedule):
+    return ours_tokens_per_s(_cfg("pp", pp=world, schedule=schedule, num_microbatches=MICRO), world)
+
+
+def ours_tp(rank, world, **_):
+    return ours_tokens_per_s(_cfg("tp", tp=world), world)
+
+
+def torch_pipelining(rank, world, schedule):
+    """The same GPT cut at the same block boundary, run by torch's PipelineStage + schedule."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from shardwise.parallel.pipeline.stage import PipelineStage as Cut, stage_bounds
+    threads_for(world)
+    cfg = _cfg("pp", pp=world)
+    data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
+    part = Cut(model, stage_bounds(model, world), rank)
+    stage = PipelineStage(part, rank, world, torch.device("cpu"))
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    pipe = cls(stage, MICRO, loss_fn=lm_loss)
+    opt = torch.optim.AdamW(part.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))
+    b, state = cfg.train.batch_size, {"step": 0}
+
+    def step():
+        x, y = data.batch(state["step"], b)
+        state["step"] += 1
+        if rank == 0:
+            pipe.step(x)
+        else:
+            pipe.step(target=y, losses=[])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dt = timed_steps(step, STEPS - 2)
+    return {"items_per_s": b * cfg.model.block_size / dt}
+
+
+def dtensor_tp(rank, world, **_):
+    """torch's DTensor tensor parallel: ColwiseParallel qkv / fc, RowwiseParallel proj."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    threads_for(world)
+    cfg = _cfg("tp", tp=world)
+    data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
+    mesh = init_device_mesh("cpu", (world,))
+    c = cfg.model.n_embd
+    for block in model.blocks:
+        with torch.no_grad():   # reorder qkv rows so that a contiguous split keeps whole heads
+            w = block.attn.qkv.weight
+            w.copy_(w.view(3, world, c // world, c).transpose(0, 1).reshape(3 * c, c))
+        block.attn.n_head //= world
+        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                         "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))
+    b, state = cfg.train.batch_size, {"step": 0}
+
+    def step():
+        x, y = data.batch(state["step"], b)
+        state["step"] += 1
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dt = timed_steps(step, STEPS - 2)
+    return {"items_per_s": b * cfg.model.block_size / dt}
+
+
+def bubble_table(rank, world):
+    """Measured bubble (median of 3 steps) vs the formula, p = 2 (dp = 2) and p = 4, m = 1..8."""
+    from shardwise.api import optimizer_factory, prepare
+    from shardwise.models import loss_for
+    from shardwise.runtime import init_runtime
+    threads_for(world)
+    table, rate = [], None
+    for p in (2, 4):
+        for m in (1, 2, 4, 8):
+            for schedule in ("gpipe", "1f1b"):
+                cfg = gpt_bench_config("3d", parallel={"pp": p, "dp": world // p, "schedule": schedule,
+                                                       "num_microbatches": m},
+                                       train={"batch_size": 16}, logging={"schedule_png": "off"})
+                rt = init_runtime(cfg)
+                engine = prepare(build_model(cfg.model, 0), optimizer_factory(cfg), cfg,
+                                 loss_fn=loss_for(cfg.model), runtime=rt)
+                x, y = build_data(cfg).batch(0, 16, *engine.strategy.data_shard())
+                reps = []
+                dt = timed_steps(lambda: reps.append(engine.train_step(x, y)), 3, warmup=1)
+                bubbles = []
+                for _ in range(3):
+                    engine.train_step(x, y)
+                    bubbles.append(engine.strategy.pipeline_report()["bubble_measured"])
+                rep = engine.strategy.report
+                table.append({"p": p, "m": m, "schedule": schedule,
+                              "bubble_measured": statistics.median(bubbles),
+                              "bubble_formula": rep["bubble_formula"],
+                              "peak_in_flight": rep["peak_in_flight"]})
+                if (p, m, schedule) == (4, 8, "1f1b"):
+                    rate = 16 * cfg.model.block_size / dt
+    return {"items_per_s": rate, "extra": {"bubble": table}}
+
+
+ROWS = [
+    Row("mp-pp-gpipe-vs-torch", ours_pp, torch_pipelining, world=2, args={"schedule": "gpipe"},
+        goal="ratio >= 1.0", peer_name="torch.distributed.pipelining ScheduleGPipe"),
+    Row("mp-pp-1f1b-vs-torch", ours_pp, torch_pipelining, world=2, args={"schedule": "1f1b"},
+        goal="ratio >= 1.0", peer_name="torch.distributed.pipelining Schedule1F1B"),
+    Row("mp-tp-vs-dtensor", ours_tp, dtensor_tp, world=2, goal="ratio >= 1.0",
+        peer_name="DTensor ColwiseParallel / RowwiseParallel"),
+    Row("mp-bubble", bubble_table, None, world=4, goal="measured bubble vs (p-1)/(m+p-1)"),
+]

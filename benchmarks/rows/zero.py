@@ -1,0 +1,100 @@
+"""ZeRO rows: stages 1-3 against PyTorch's own sharding (FSDP2 ``fully_shard`` per block then
+the root; ``ZeroRedundancyOptimizer`` under torch DDP), and disk offload against none.
+
+Ours report ``peak_mem`` = the ledger's bytes held (parameters, gradients, optimizer states,
+masters, communication buffers, saved activations; not what sits on disk); the runner adds every
+side's peak resident memory (``peak_rss_max_rank``), the only memory figure the peers have.
+"""
+from __future__ import annotations
+
+import torch
+
+from benchmarks.harness import Row, gpt_bench_config, threads_for, timed_steps
+from benchmarks.peers import ours_tokens_per_s, plain_loop_tokens_per_s
+
+STEPS = 14
+# a bigger GPT for the offload row (13M parameters: Adam state is 50 MB per rank at N=2)
+BIG = {"model": {"n_layer": 4, "n_embd": 512, "block_size": 64}, "train": {"steps": 6}}
+
+
+def _ours(strategy: str, world: int, overrides: dict, **parallel) -> dict:
+    train = {"steps": STEPS, **overrides.get("train", {})}
+    sections = {k: v for k, v in overrides.items() if k != "train"}
+    out = ours_tokens_per_s(gpt_bench_config(strategy, parallel=parallel, train=train,
+                                             **sections), world)
+    ledger = out["extra"]["ledger"]
+    out["peak_mem"] = sum(v for k, v in ledger.items() if k != "on_disk")
+    return out
+
+
+def zero1(rank, world, **parallel):
+    return _ours("zero1", world, {}, **parallel)
+
+
+def zero2(rank, world, **parallel):
+    return _ours("zero2", world, {}, **parallel)
+
+
+def zero3(rank, world, **parallel):
+    return _ours("zero3", world, {}, **parallel)
+
+
+def zero3_big(rank, world, offload="none", **parallel):
+    return _ours("zero3", world, {**BIG, "memory": {"offload": offload}}, **parallel)
+
+
+def zero3_big_no_offload(rank, world, **parallel):
+    return zero3_big(rank, world, **{**parallel, "offload": "none"})
+
+
+def fsdp2(rank, world, **parallel):
+    """torch FSDP2: fully_shard on each block, then on the root (the documented recipe)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+
+    def wrap(model):
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    cfg = gpt_bench_config("zero3")
+    return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, wrap=wrap, steps=STEPS - 2)}
+
+
+def torch_zero_redundancy(rank, world, **parallel):
+    """torch DDP with ZeroRedundancyOptimizer(AdamW): PyTorch's ZeRO-1."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from shardwise.data import build_data
+    from shardwise.models import build_model, lm_loss
+    cfg = gpt_bench_config("zero1")
+    threads_for(world)
+    data = build_data(cfg)
+    model = DDP(build_model(cfg.model, cfg.train.seed))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                  lr=cfg.train.lr, betas=(0.9, 0.95))
+    state, b = {"step": 0}, cfg.train.batch_size
+
+    def step():
+        x, y = data.batch(state["step"], b, rank, world)
+        state["step"] += 1
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"items_per_s": b * cfg.model.block_size / timed_steps(step, STEPS - 2)}
+
+
+FSDP2 = "torch FSDP2 (fully_shard per block, then root)"
+GOAL = "throughput >= 1.0x FSDP2, peak memory <= 1.05x FSDP2"
+ROWS = [
+    Row("zero1-vs-torch-zero", zero1, torch_zero_redundancy, world=2, args={},
+        goal="throughput >= 1.0x", peer_name="torch DDP + ZeroRedundancyOptimizer"),
+    Row("zero2-vs-fsdp2", zero2, fsdp2, world=2, args={}, goal=GOAL, peer_name=FSDP2),
+    Row("zero3-vs-fsdp2", zero3, fsdp2, world=2, args={}, goal=GOAL, peer_name=FSDP2),
+    Row("zero3-ring-vs-fsdp2", zero3, fsdp2, world=2, args={"allreduce": "ring"}, goal=GOAL,
+        peer_name=FSDP2),
+    Row("zero3-vs-fsdp2-w4", zero3, fsdp2, world=4, args={}, goal=GOAL, peer_name=FSDP2),
+    Row("zero3-offload-disk-vs-none", zero3_big, zero3_big_no_offload, world=2,
+        args={"offload": "disk"}, goal="peak memory drops (ratio < 1), throughput cost stated",
+        peer_name="shardwise ZeRO-3 without offload"),
+]

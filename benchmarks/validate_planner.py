@@ -1,0 +1,196 @@
+"""The planner against this machine: predicted vs measured memory per rank and step time.
+
+    python -m benchmarks.validate_planner [--steps 10] [--only ddp,zero2]
+
+For each strategy shardwise has here (``shardwise.parallel.available()``), the benchmark GPT
+(``benchmarks.harness.gpt_bench_config``: 4 layers, width 256, seq 128, batch 8, fp32 AdamW)
+trains briefly in a forked gloo world (``shardwise.testing.run_world``). Rank by rank the
+strategy's ``memory_ledger()`` gives the bytes it holds by category; the fullest rank is
+compared with the planner's ``estimate()`` for the same layout (the planner also reports its
+fullest device), on the Hardware that ``shardwise.autoplan.calibrate`` measures for that world
+size (matmul, GPT forward+backward fit, copy bandwidth, gloo allreduce). Goals (issue 7): memory
+within 10% per category, step time within 25%.
+
+Writes benchmarks/results/planner_validation.json and planner_validation.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import replace
+
+import torch
+
+from benchmarks.harness import gpt_bench_config
+from shardwise import autoplan
+from shardwise.planner import Layout, estimate
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+STATES = ("parameters", "gradients", "optimizer_states", "master_weights")
+MEM_GOAL, TIME_GOAL = 0.10, 0.25
+
+# strategy -> (world, parallel overrides, the planner's layout of that run; batch 8)
+CASES = {
+    "single": (1, {}, Layout(micro_batch=8)),
+    "dp": (1, {"replicas": 2}, Layout(micro_batch=4)),        # 2 replicas in one process
+    "ddp": (2, {}, Layout(dp=2, micro_batch=4)),
+    "zero1": (2, {}, Layout(dp=2, zero=1, micro_batch=4)),
+    "zero2": (2, {}, Layout(dp=2, zero=2, micro_batch=4)),
+    "zero3": (2, {}, Layout(dp=2, zero=3, micro_batch=4)),
+    "tp": (2, {"tp": 2}, Layout(tp=2, micro_batch=8)),
+    "pp": (2, {"pp": 2, "num_microbatches": 4}, Layout(pp=2, micro_batch=2)),
+    "3d": (4, {"dp": 2, "pp": 2, "num_microbatches": 2, "zero1_over_dp": True},
+           Layout(dp=2, pp=2, zero=1, micro_batch=2)),
+    "ps": (3, {"num_ps": 1, "num_workers": 2}, Layout(dp=2, num_ps=1, micro_batch=4)),
+}
+
+
+def _train(rank: int, world: int, cfg) -> dict:
+    """One rank: train, return its ledger and the run's throughput (tokens/s)."""
+    from shardwise.runtime import init_runtime
+    from shardwise.train import train
+    rt = init_runtime(cfg)
+    summary = train(cfg, rt, quiet=True)
+    ledger = {k: int(v) for k, v in summary["ledger"].items()}
+    return {"ledger": ledger, "throughput": summary["throughput"], "pp_rank": rt.mesh.pp_rank,
+            "last_stage": rt.mesh.is_last_stage, "server": "replica_for_gather" in ledger}
+
+
+def _same_role(ranks: list[dict], role: str) -> list[dict]:
+    """The ranks playing the planner's ``memory_role`` (its fullest device)."""
+    pick = {"stage 0": lambda r: r["pp_rank"] == 0, "last stage": lambda r: r["last_stage"],
+            "worker": lambda r: not r["server"], "server": lambda r: r["server"]}
+    return [r for r in ranks if pick.get(role, lambda r: True)(r)] or ranks
+
+
+def predicted(name: str, layout: Layout, cfg, hw) -> tuple[dict, float]:
+    """(bytes by ledger category on the fullest device, seconds per step) from the planner."""
+    e = estimate(layout, autoplan.model_spec(cfg), hw, autoplan.batch_of(cfg))
+    mem = {k: e.memory[k] for k in STATES}
+    mem["comm_buffers"] = e.memory["buffers"]
+    step, mem["role"] = e.step_s, e.memory_role
+    if name == "dp":   # R replicas in one process: R copies of the states, R optimizer steps
+        replicas = cfg.parallel.replicas
+        mem = {k: v * (replicas if k in STATES else 1) for k, v in mem.items() if k != "role"}
+        step += (replicas - 1) * e.optimizer_s
+    return mem, step
+
+
+def _gap(pred: float, meas: float) -> float | None:
+    """(predicted - measured) / measured; None when both are zero-ish."""
+    if meas == 0:
+        return None if pred == 0 else float("inf")
+    return (pred - meas) / meas
+
+
+def validate_one(name: str, steps: int, hardware: dict) -> dict:
+    from shardwise.testing import run_world
+    world, par, layout = CASES[name]
+    cfg = gpt_bench_config(name, parallel=par, train={"steps": steps})
+    if world not in hardware:
+        cal_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc_per_node=world))
+        hardware[world] = autoplan.calibrate(cal_cfg)
+    cal = hardware[world]
+    hw = cal.hardware(world)
+    pred_mem, pred_step = predicted(name, layout, cfg, hw)
+    role = pred_mem.pop("role", "rank")
+    t0 = time.perf_counter()
+    ranks = run_world(_train, world, cfg, timeout=600)
+    fullest = max(_same_role(ranks, role),
+                  key=lambda r: sum(r["ledger"].get(k, 0) for k in STATES))["ledger"]
+    meas_mem = {k: fullest.get(k, 0) for k in (*STATES, "comm_buffers")}
+    tokens = cfg.train.batch_size * cfg.model.block_size
+    meas_step = tokens / ranks[0]["throughput"]
+    states = [sum(pred_mem[k] for k in STATES), sum(meas_mem[k] for k in STATES)]
+    return {
+        "strategy": name, "world": world, "layout": layout.describe(), "role": role,
+        "predicted_memory": pred_mem, "measured_memory": meas_mem,
+        "memory_gap": {k: _gap(pred_mem[k], meas_mem[k]) for k in pred_mem},
+        "states_predicted": states[0], "states_measured": states[1],
+        "states_gap": _gap(*states),
+        "step_predicted_s": pred_step, "step_measured_s": meas_step,
+        "step_gap": _gap(pred_step, meas_step), "run_seconds": time.perf_counter() - t0,
+        "activations_peak_measured": fullest.get("activations_peak"),
+    }
+
+
+def _pct(x) -> str:
+    return "-" if x is None else "inf" if x == float("inf") else f"{x:+.0%}"
+
+
+def _mb(x) -> str:
+    return f"{x / 1e6:.2f}"
+
+
+def markdown(rows: list[dict], calibrations: dict, load: tuple) -> str:
+    out = ["| strategy | world | layout | model states pred / meas (MB) | gap | comm buffers "
+           "pred / meas (MB) | step pred / meas (s) | gap | goals (10% / 25%) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['strategy']} | {r['world']} | - | - | - | - | - | - | "
+                       f"failed: {r['error'][:80]} |")
+            continue
+        pm, mm = r["predicted_memory"], r["measured_memory"]
+        mem_ok = all(g is None or abs(g) <= MEM_GOAL for k, g in r["memory_gap"].items()
+                     if k in STATES)
+        ok = ("yes" if mem_ok else "no") + " / " + (
+            "yes" if abs(r["step_gap"]) <= TIME_GOAL else "no")
+        out.append(f"| {r['strategy']} | {r['world']} | {r['layout']} | "
+                   f"{_mb(r['states_predicted'])} / {_mb(r['states_measured'])} | "
+                   f"{_pct(r['states_gap'])} | {_mb(pm['comm_buffers'])} / "
+                   f"{_mb(mm['comm_buffers'])} | {r['step_predicted_s']:.3f} / "
+                   f"{r['step_measured_s']:.3f} | {_pct(r['step_gap'])} | {ok} |")
+    out += ["", "Per category, predicted / measured MB on the planner's fullest device (the same "
+            "role measured: stage, worker or server):", "",
+            "| strategy | parameters | gradients | optimizer_states | master_weights |",
+            "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" not in r:
+            cells = [f"{_mb(r['predicted_memory'][k])} / {_mb(r['measured_memory'][k])}"
+                     for k in STATES]
+            out.append(f"| {r['strategy']} | " + " | ".join(cells) + " |")
+    out += ["", "Calibration per world size (`shardwise.autoplan.calibrate`):", ""]
+    out += [f"- world {n}: " + c.describe().replace("\n", "; ") for n, c in
+            sorted(calibrations.items())]
+    out.append(f"- load average during the run: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+               f"on {os.cpu_count()} cores (the machine is shared: times are noisy)")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shardwise.parallel import available
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.validate_planner")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--only", default="", help="comma-separated strategies (default: all here)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)           # calibrate with what each forked rank gets
+    names = [n for n in (args.only.split(",") if args.only else CASES) if n in available()]
+    hardware: dict = {}
+    rows = []
+    for name in names:
+        try:
+            row = validate_one(name, args.steps, hardware)
+        except Exception as exc:  # a strategy still landing: record it, keep going
+            row = {"strategy": name, "world": CASES[name][0], "error": f"{type(exc).__name__}: "
+                   f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if "memory" not in k}), flush=True)
+    load = os.getloadavg()
+    os.makedirs(RESULTS, exist_ok=True)
+    doc = {"rows": rows, "load_average": load, "steps": args.steps,
+           "calibration": {n: {"text": c.describe(), "hardware": c.hardware(n).to_dict()}
+                           for n, c in hardware.items()}}
+    with open(os.path.join(RESULTS, "planner_validation.json"), "w") as fh:
+        json.dump(doc, fh, indent=2, default=str)
+    table = markdown(rows, hardware, load)
+    with open(os.path.join(RESULTS, "planner_validation.md"), "w") as fh:
+        fh.write(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""Collectives inside autograd: Megatron-LM's conjugate f / g operators and the vocab-parallel pieces.
+
+Tensor parallelism (Shoeybi et al., 2019, "Megatron-LM", section 3) splits a pair of linears so
+that one allreduce per direction joins them. The two operators that carry those allreduces are:
+
+    f  (copy_to_tp)       forward: identity            backward: allreduce over tp
+    g  (reduce_from_tp)   forward: allreduce over tp   backward: identity
+
+f sits where a replicated activation enters a column-parallel linear (each rank's gradient for
+that activation is a partial sum); g sits where a row-parallel linear's partial outputs must be
+summed. The vocab-parallel cross-entropy computes the loss from logits split on the vocabulary
+dimension: two allreduces of b*s elements (the max, then [sum of exp, target logit] together),
+so no rank ever holds the full (b, s, vocab) logits.
+
+Every operator takes the Comm, the Group and a meter name, so the traffic of each use shows up in
+the communication meter under its own name (tp_fwd / tp_bwd for the per-layer pairs).
+"""
+from __future__ import annotations
+
+import torch
+
+from shardwise.comm.collectives import Comm, Group
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` near-equal contiguous pieces of ``n`` (the first n % parts get one more)."""
+    return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+
+
+def shard_range(n: int, rank: int, parts: int) -> tuple[int, int]:
+    """[start, end) of piece ``rank`` of ``split_sizes(n, parts)``."""
+    sizes = split_sizes(n, parts)
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, allreduce (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, group: Group, name: str):
+        ctx.comm, ctx.group, ctx.name = comm, group, name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()          # the incoming buffer may be shared
+        ctx.comm.all_reduce(grad, ctx.group, name=ctx.name)
+        return grad, None, None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: allreduce (sum) forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, group: Group, name: str):
+        out = x.contiguous().clone()
+        comm.all_reduce(out, group, name=name)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def copy_to_tp(x: torch.Tensor, comm: Comm, group: Group, name: str = "tp_bwd") -> torch.Tensor:
+    """Megatron's f. World size 1: plain identity (the Comm short-circuits)."""
+    if group.size == 1:
+        return x
+    return _CopyToTP.apply(x, comm, group, name)
+
+
+def reduce_from_tp(x: torch.Tensor, comm: Comm, group: Group, name: str = "tp_fwd") -> torch.Tensor:
+    """Megatron's g. World size 1: plain identity."""
+    if group.size == 1:
+        return x
+    return _ReduceFromTP.apply(x, comm, group, name)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Mean cross-entropy from logits split on the vocabulary; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start: int, comm: Comm, group: Group, name: str):
+        # logits: (N, V_local) this rank's vocabulary columns [start, start + V_local)
+        n, v_local = logits.shape
+        row_max = logits.max(dim=-1).values                       # (N,)
+        comm.all_reduce(row_max, group, op="max", name=name)
+        shifted = logits - row_max[:, None]                       # (N, V_local)
+        exp = shifted.exp()
+        outside = (target < start) | (target >= start + v_local)  # (N,) target on another rank
+        local_t = (target - start).clamp(0, v_local - 1)
+        picked = shifted.gather(1, local_t[:, None]).squeeze(1).masked_fill(outside, 0.0)
+        both = torch.stack([exp.sum(dim=-1), picked])             # (2, N): one allreduce for both
+        comm.all_reduce(both, group, name=name)
+        sum_exp, target_logit = both[0], both[1]
+        loss = (sum_exp.log() - target_logit).mean()
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), local_t, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_t, outside = ctx.saved_tensors
+        g = softmax.clone()                                       # d loss_i / d logit = p - onehot
+        g.scatter_add_(1, local_t[:, None], -(~outside).to(g.dtype)[:, None])
+        g.mul_(grad / softmax.shape[0])
+        return g, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
+                                 comm: Comm, group: Group, name: str = "tp_vocab") -> torch.Tensor:
+    """Mean cross-entropy over every position; ``logits`` (..., V_local) hold this rank's vocab
+    columns starting at ``vocab_start``. Equals F.cross_entropy on the gathered logits."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _VocabParallelCE.apply(flat, target.reshape(-1), vocab_start, comm, group, name)
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
+                             comm: Comm, group: Group, name: str = "tp_vocab") -> torch.Tensor:
+    """Embedding whose table rows [vocab_start, vocab_start + V_local) live on this rank: look up
+    the ids this rank owns, zeros elsewhere, then g (allreduce forward) sums the ranks' parts.
+    Exact: every position gets one non-zero contribution."""
+    v_local = weight.shape[0]
+    outside = (ids < vocab_start) | (ids >= vocab_start + v_local)          # (B, T)
+    local = (ids - vocab_start).masked_fill(outside, 0)
+    out = torch.nn.functional.embedding(local, weight)                      # (B, T, C)
+    out = out.masked_fill(outside[..., None], 0.0)
+    return reduce_from_tp(out, comm, group, name=name)

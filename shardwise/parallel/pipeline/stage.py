@@ -1,0 +1,103 @@
+"""Cutting shardwise's GPT into p pipeline stages.
+
+Stage s keeps a contiguous run of blocks; the first stage also keeps the embeddings (tok_emb,
+pos_emb), the last the final norm and the head. Boundaries are balanced by parameter count
+(min over cuts of the largest stage, by dynamic programming) or given as ``stage_layers``
+('1,3' = one block on stage 0, three on stage 1). Parameters keep their single-model names
+through :meth:`PipelineStage.global_name` (``blocks.0`` of stage 1 may be ``blocks.2``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def _numel(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def balanced_bounds(costs: list[int], first_extra: int, last_extra: int, p: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) block ranges for p stages minimising the largest stage's cost
+    (stage 0 also pays ``first_extra``, stage p-1 ``last_extra``); every stage gets >= 1 block."""
+    n = len(costs)
+    if not 1 <= p <= n:
+        raise ValueError(f"cannot cut {n} blocks into {p} non-empty stages")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the smallest largest-stage cost placing blocks [0, i) on stages 0..s-1
+    best = [[inf] * (n + 1) for _ in range(p + 1)]
+    cut = [[0] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = 0
+    for s in range(1, p + 1):
+        for i in range(s, n - (p - s) + 1):
+            for j in range(s - 1, i):
+                load = prefix[i] - prefix[j] + (first_extra if s == 1 else 0) \
+                    + (last_extra if s == p else 0)
+                value = max(best[s - 1][j], load)
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [], n
+    for s in range(p, 0, -1):
+        bounds.append((cut[s][i], i))
+        i = cut[s][i]
+    return bounds[::-1]
+
+
+def parse_stage_layers(text: str, n_layer: int, p: int) -> list[tuple[int, int]]:
+    """'1,3' -> [(0, 1), (1, 4)]; the counts must be p positive numbers summing to n_layer."""
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise ValueError(f"parallel.stage_layers = {text!r}: not a comma-separated list of integers")
+    if len(counts) != p or sum(counts) != n_layer or min(counts) < 1:
+        raise ValueError(f"parallel.stage_layers = {text!r}: need {p} positive counts summing to "
+                         f"n_layer = {n_layer}")
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + c))
+        start += c
+    return bounds
+
+
+def stage_bounds(model: nn.Module, p: int, stage_layers: str = "") -> list[tuple[int, int]]:
+    """Block ranges of the p stages of a (full, unsplit) GPT."""
+    if stage_layers:
+        return parse_stage_layers(stage_layers, len(model.blocks), p)
+    costs = [_numel(b) for b in model.blocks]
+    first = _numel(model.tok_emb) + _numel(model.pos_emb)
+    last = _numel(model.ln_f) + _numel(model.head)
+    return balanced_bounds(costs, first, last, p)
+
+
+class PipelineStage(nn.Module):
+    """Stage ``index`` of ``num_stages``: the GPT's blocks [start, end) and, at the ends, the
+    embeddings or the head. forward: token ids (first stage) or the residual stream (B, T, C)
+    in; residual stream or logits out."""
+
+    def __init__(self, gpt: nn.Module, bounds: list[tuple[int, int]], index: int):
+        super().__init__()
+        self.index, self.num_stages = index, len(bounds)
+        self.start, self.end = bounds[index]
+        self.is_first, self.is_last = index == 0, index == len(bounds) - 1
+        if self.is_first:
+            self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
+        self.blocks = nn.ModuleList(gpt.blocks[self.start:self.end])
+        if self.is_last:
+            self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:                                   # x: (B, T) token ids
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        for block in self.blocks:                           # (B, T, C)
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.is_last else x
+
+    def global_name(self, local: str) -> str:
+        """The single-model name of one of this stage's parameters."""
+        if local.startswith("blocks."):
+            _, i, rest = local.split(".", 2)
+            return f"blocks.{int(i) + self.start}.{rest}"
+        return local

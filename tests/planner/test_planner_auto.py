@@ -1,0 +1,145 @@
+"""``shardwise train --strategy auto``: calibration, the layout -> config conversion, the choice
+among runnable layouts, and an end-to-end run through the CLI."""
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from reference import tiny_config
+from shardwise import autoplan, launch
+from shardwise.cli import parse_config
+from shardwise.models import build_model
+from shardwise.planner import Layout
+from shardwise.planner.layout import KINDS
+from shardwise.validate import validate
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _auto_cfg(batch: int = 8):
+    cfg = tiny_config("auto", steps=3)
+    return replace(cfg, train=replace(cfg.train, batch_size=batch))
+
+
+def test_calibration_measures_positive_figures():
+    cal = autoplan.calibrate(_auto_cfg())
+    assert cal.processes == launch.local_world_size(replace(_auto_cfg(), parallel=replace(
+        _auto_cfg().parallel, strategy="ddp")))
+    for c in (cal.per_rank, cal.whole):
+        assert c.threads >= 1
+        assert c.matmul_flops > 0 and c.model_flops > 0 and c.mem_bw > 0
+        assert c.block_overhead >= 0
+    assert cal.allreduce_bw > 0 and cal.allreduce_latency > 0    # a real 2-process gloo world
+    assert cal.memory_bytes > 0
+    for n in (1, cal.processes):
+        hw = cal.hardware(n)
+        assert hw.devices_per_node == n and 0 < hw.efficiency <= 1
+        assert hw.memory_bytes <= cal.memory_bytes
+    assert "allreduce over" in cal.describe()
+
+
+def test_model_spec_counts_the_real_gpt():
+    cfg = _auto_cfg()
+    real = sum(p.numel() for p in build_model(cfg.model, 0).parameters())
+    # the planner's per-block count (4h^2 + 2hf + 9h + f) includes a qkv bias of 3h that
+    # shardwise's GPT leaves out (as GPT-NeoX / Llama do): exactly that much more, no other gap
+    m = cfg.model
+    assert autoplan.model_spec(cfg).params - real == 3 * m.n_embd * m.n_layer
+
+
+# (layout, world, expected config fields) for each kind the planner names
+CASES = [
+    (Layout(micro_batch=8), 1, {"strategy": "single", "grad_accum": 1}),
+    (Layout(micro_batch=2), 1, {"strategy": "single", "grad_accum": 4}),
+    (Layout(dp=2, micro_batch=4), 2, {"strategy": "ddp", "dp": 2, "grad_accum": 1}),
+    (Layout(dp=2, zero=1, micro_batch=2), 2, {"strategy": "zero1", "dp": 2, "grad_accum": 2}),
+    (Layout(dp=2, zero=2, offload="cpu", micro_batch=4), 2,
+     {"strategy": "zero2", "dp": 2, "offload": "cpu"}),
+    (Layout(dp=2, zero=3, act_ckpt=True, micro_batch=4), 2,
+     {"strategy": "zero3", "activation_checkpointing": True}),
+    (Layout(tp=2, micro_batch=8), 2, {"strategy": "tp", "tp": 2, "dp": 1, "pp": 1}),
+    (Layout(pp=2, micro_batch=2, schedule="gpipe"), 2,
+     {"strategy": "pp", "pp": 2, "num_microbatches": 4, "schedule": "gpipe", "grad_accum": 1}),
+    (Layout(dp=2, pp=2, zero=1, micro_batch=2), 4,
+     {"strategy": "3d", "dp": 2, "pp": 2, "zero1_over_dp": True, "num_microbatches": 2}),
+    (Layout(dp=2, num_ps=1, micro_batch=4), 3,
+     {"strategy": "ps", "num_ps": 1, "num_workers": 2}),
+]
+
+
+@pytest.mark.parametrize("layout,world,expect", CASES, ids=[c[0].describe() for c in CASES])
+def test_layout_to_config(layout, world, expect):
+    cfg = _auto_cfg()
+    new, changes = autoplan.to_config(layout, cfg)
+    fields = {**vars(new.parallel), **vars(new.memory)}
+    for key, value in expect.items():
+        assert fields[key] == value, key
+    # the converted config starts exactly layout.world processes and passes validation
+    assert launch.local_world_size(new) == world == layout.world
+    validate(new, world)
+    # the flags appended to argv reproduce it (the torchrun relaunch parses them)
+    reparsed, _ = parse_config(["--strategy", "auto", *autoplan.flags(changes)])
+    for key, value in changes.items():
+        sec, name = key.split(".")
+        assert getattr(getattr(reparsed, sec), name) == value, key
+
+
+def _fake_calibration(allreduce_bw: float, whole_speedup: float) -> autoplan.Calibration:
+    """A machine given by numbers: 2 processes, 50 GFLOP/s per rank, no block overhead."""
+    rank = autoplan.Compute(threads=1, matmul_flops=50e9, model_flops=40e9, block_overhead=0.0,
+                            mem_bw=10e9)
+    whole = replace(rank, threads=2, matmul_flops=50e9 * whole_speedup,
+                    model_flops=40e9 * whole_speedup)
+    return autoplan.Calibration("cpu", 2, rank, whole, allreduce_bw, 50e-6, 16 * 2**30, 0.0)
+
+
+def test_choice_follows_the_measured_machine():
+    cfg = replace(_auto_cfg(16), model=replace(_auto_cfg().model, n_layer=4, n_embd=128))
+    quiet = lambda *_: None  # noqa: E731
+    # a fast link and no gain from a second thread: two processes beat one
+    fast = autoplan.choose(cfg, _fake_calibration(10e9, 1.0), say=quiet)
+    assert fast.config.parallel.strategy in ("ddp", "zero1", "zero2", "zero3", "tp", "pp", "ps")
+    assert fast.estimate.step_s < fast.alternatives[1].step_s
+    # a crawling link and a second thread that doubles one process: one process wins
+    slow = autoplan.choose(cfg, _fake_calibration(1e6, 2.0), say=quiet)
+    assert slow.config.parallel.strategy == "single" and slow.flags[:2] == ["--strategy", "single"]
+    assert slow.estimate.step_s < slow.alternatives[2].step_s
+
+
+def test_choice_skips_strategies_not_installed(monkeypatch):
+    import shardwise.parallel as par
+    cfg = _auto_cfg(16)
+    assert "sequence parallelism" in autoplan.why_not_runnable(
+        Layout(tp=2, sequence_parallel=True), cfg)
+    assert "micro-batch" in autoplan.why_not_runnable(Layout(dp=2, micro_batch=3), cfg)
+    monkeypatch.setattr(par, "available", lambda: ["single", "ddp"])
+    choice = autoplan.choose(cfg, _fake_calibration(10e9, 1.0), say=lambda *_: None)
+    assert choice.config.parallel.strategy == "ddp"
+    assert autoplan.why_not_runnable(Layout(dp=2, zero=3), cfg).startswith("strategy zero3")
+
+
+def test_auto_under_a_launcher_is_refused(monkeypatch, capsys):
+    from shardwise.cli import main
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "--strategy", "auto", "--steps", "1"]) == 2
+    assert "without torchrun" in capsys.readouterr().err
+
+
+def test_cli_train_auto_end_to_end(tmp_path):
+    argv = [sys.executable, "-m", "shardwise.cli", "train", "--strategy", "auto", "--steps", "3",
+            "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
+            "--batch-size", "8", "--dataset", "synthetic", "--eval-every", "0",
+            "--eval-batches", "1", "--device", "cpu", "--out-dir", str(tmp_path),
+            "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    chosen = out.split("auto: running ")[1].split()[0]       # e.g. zero3, ddp, single
+    assert chosen in KINDS
+    assert "auto: calibrated in" in out and "Guide (seed 000)" in out
+    assert f"shardwise {chosen}" in out                      # the run's own summary header
+    assert any(name.startswith(chosen) for name in os.listdir(tmp_path))
