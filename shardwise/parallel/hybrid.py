@@ -91,7 +91,9 @@ class HybridStrategy(Strategy):
         params = [q for q in self.model.parameters() if q.requires_grad]
         self.flat = FlatBuffers(params, mesh.dp if self.zero1 else 1)
         if self.zero1:
-            self.master = nn.Parameter(self.flat.shard(self.flat.params, mesh.dp_rank).clone())
+            # fp32 training needs no master copy: the optimizer updates this rank's slice of the
+            # flat parameters in place (a view), then the slices are all-gathered.
+            self.master = nn.Parameter(self.flat.shard(self.flat.params, mesh.dp_rank))
             self.optimizer = optimizer_factory([self.master])
         else:
             self.optimizer = optimizer_factory(params)
@@ -133,7 +135,8 @@ class HybridStrategy(Strategy):
             self.comm.reduce_scatter(grad, flat.grads, dp, op="avg", name="zero1_grad")
             self.master.grad = grad
             self.optimizer.step()
-            self.comm.all_gather(flat.params, self.master.detach(), dp, name="zero1_params")
+            # the input is part of the output: gather from a copy (1/dp of the parameters)
+            self.comm.all_gather(flat.params, self.master.detach().clone(), dp, name="zero1_params")
         flat.grads.zero_()
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -209,15 +212,13 @@ class HybridStrategy(Strategy):
         return merged
 
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)    # copies into the flat views in place
-        if self.zero1:
-            self.master.data.copy_(self.flat.shard(self.flat.params, self.mesh.dp_rank))
+        super().load_state_dict(state)    # copies into the flat views (and so the ZeRO-1 slice)
 
     def memory_ledger(self) -> dict[str, int]:
         return {
             "parameters": tensor_bytes(self.model.parameters()),
             "gradients": tensor_bytes([self.flat.grads]),
             "optimizer_states": optimizer_state_bytes(self.optimizer),
-            "master_weights": tensor_bytes([self.master]) if self.zero1 else 0,
-            "comm_buffers": 0,
+            "master_weights": 0,          # ZeRO-1's optimizer works on a view of the parameters
+            "comm_buffers": tensor_bytes([self.master]) if self.zero1 else 0,  # the gather copy
         }

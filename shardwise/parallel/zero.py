@@ -168,19 +168,7 @@ class Zero2Strategy(_BucketedZero):
         c.grad_shard = c.shard.new_zeros(c.shard.shape)
 
     def _launch(self, c: Chunk) -> None:
-        staging = c.layout.new_flat(dtype=self.dtype, device=self.device)
-        self._comm_alloc(storage_bytes(staging))
-        for p, view in zip(c.params, c.layout.views(staging)):
-            if p.grad is not None:
-                view.copy_(p.grad)
-                p.grad = None                  # the whole gradient is not kept
-        fresh = not c.grad_valid
-        temp = None if fresh else c.grad_shard.new_empty(c.grad_shard.shape)
-        if temp is not None:
-            self._comm_alloc(storage_bytes(temp))
-        work = self._reduce_scatter(c.grad_shard if fresh else temp, staging,
-                                    async_op=self.overlap)
-        self._reducing.append((c, work, temp, staging))
+        self._stage_and_reduce(c)
 
     def _grad_bytes(self) -> int:
         return sum(storage_bytes(c.grad_shard) for c in self.chunks)

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.comm.collectives import Work
-from shardwise.comm.flat import FlatLayout
+from shardwise.comm.flat import FlatLayout, storage_bytes
 from shardwise.memory.offload import OffloadStore, prefill_adam_state
 from shardwise.parallel.base import Strategy, optimizer_state_bytes
 from shardwise.parallel.zero_comm import ShardCollectives
@@ -132,6 +132,23 @@ class ZeroBase(Strategy):
         """Account a transient communication buffer (the ledger reports the high-water mark)."""
         self._comm_live += nbytes
         self._comm_peak = max(self._comm_peak, self._comm_live)
+
+    def _stage_and_reduce(self, c: Chunk) -> None:
+        """Copy the chunk's whole gradients into a flat staging buffer (dropping them), then
+        reduce-scatter it into ``grad_shard`` (or a temporary to add later, when this step's
+        shard already holds an accumulation micro-step's gradient). Stages 2 and 3."""
+        staging = c.layout.new_flat(dtype=self.dtype, device=self.device)
+        self._comm_alloc(storage_bytes(staging))
+        for p, view in zip(c.params, c.layout.views(staging)):
+            if p.grad is not None:
+                view.copy_(p.grad)
+                p.grad = None                  # the whole gradient is not kept
+        fresh = not c.grad_valid
+        temp = None if fresh else c.grad_shard.new_empty(c.grad_shard.shape)
+        if temp is not None:
+            self._comm_alloc(storage_bytes(temp))
+        work = self._reduce_scatter(c.grad_shard if fresh else temp, staging, async_op=self.overlap)
+        self._reducing.append((c, work, temp, staging))
 
     # -- one step -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

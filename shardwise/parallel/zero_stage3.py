@@ -137,21 +137,9 @@ class Zero3Strategy(ZeroBase):
     def _chunk_ready(self, index: int) -> None:
         """Every gradient of the unit is in: stage them, free the unit, reduce-scatter."""
         c = self.chunks[index]
-        staging = c.layout.new_flat(dtype=self.dtype, device=self.device)
-        self._comm_alloc(storage_bytes(staging))
-        for p, view in zip(c.params, c.layout.views(staging)):
-            if p.grad is not None:
-                view.copy_(p.grad)
-                p.grad = None
+        self._stage_and_reduce(c)
         self._free(c)
         c.extra["backward"] = False
-        fresh = not c.grad_valid
-        temp = None if fresh else c.grad_shard.new_empty(c.grad_shard.shape)
-        if temp is not None:
-            self._comm_alloc(storage_bytes(temp))
-        work = self._reduce_scatter(c.grad_shard if fresh else temp, staging,
-                                    async_op=self.overlap)
-        self._reducing.append((c, work, temp, staging))
         c.grad_valid = True                # later micro-steps add into the shard
 
     def _after_backward(self) -> None:
