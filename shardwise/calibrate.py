@@ -5,8 +5,9 @@
   ``t(b) = L * block_overhead + b * s * flops_per_token / model_flops``; the planner gets
   ``efficiency = model_flops / peak_flops`` and ``block_overhead`` (dispatch, small kernels).
   Measured with the threads each rank will have (``OMP_NUM_THREADS``, 1 by default under the
-  relaunch), scaled down when the ranks' threads outnumber the cores; and once more with all
-  threads for the one-process alternative;
+  relaunch) in every rank of a forked world at once (on CPU the ranks share cores and the
+  memory bus, so a rank timed alone is faster than one of a busy world); and once more in one
+  process with all threads, for the one-process alternative;
 - memory bandwidth (a large copy), which bounds the planner's optimizer step;
 - allreduce: a forked gloo world of the local process count (``shardwise.testing.run_world``),
   ``Comm.all_reduce`` of 1 KiB and 4 MiB, fitted to the ring's alpha-beta model
@@ -43,12 +44,6 @@ class Compute:
     """Seconds per block per micro-batch that do not grow with the batch (the fit's intercept / L)."""
     mem_bw: float
     """Bytes/s of a large tensor copy (read + write)."""
-
-    def scaled(self, factor: float) -> "Compute":
-        """The same rank when it gets only ``factor`` of a core per thread (oversubscription)."""
-        return replace(self, matmul_flops=self.matmul_flops * factor,
-                       model_flops=self.model_flops * factor, mem_bw=self.mem_bw * factor,
-                       block_overhead=self.block_overhead / factor)
 
 
 @dataclass(frozen=True)
@@ -108,13 +103,6 @@ def _ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _timed(fn, device: torch.device, reps: int, budget: float = 0.6) -> float:
     """Median seconds of ``fn()`` after one untimed call (synchronising a GPU, never in comm);
     fewer repetitions when they would take more than ``budget`` seconds."""
@@ -170,8 +158,11 @@ def measure_compute(cfg: Config, device: torch.device, threads: int) -> Compute:
     return Compute(threads, matmul, model_flops, overhead, mem_bw)
 
 
-def _allreduce_probe(rank: int, world: int, reps: tuple[int, int]) -> dict:
-    """Median seconds of an allreduce of SMALL and LARGE fp32 elements (one forked rank)."""
+def _allreduce_probe(rank: int, world: int, reps: tuple[int, int], cfg: Config | None = None,
+                     threads: int = 1) -> dict:
+    """Median seconds of an allreduce of SMALL and LARGE fp32 elements (one forked rank); with
+    ``cfg``, then this rank's compute, measured while every other rank measures too (so the
+    figure includes the ranks' contention for cores and memory bandwidth)."""
     from shardwise.comm.collectives import Comm
     from shardwise.mesh import Mesh
     comm, group = Comm(), Mesh.build(1, world, 1).world
@@ -186,20 +177,27 @@ def _allreduce_probe(rank: int, world: int, reps: tuple[int, int]) -> dict:
             comm.all_reduce(t, group)
             times.append(time.perf_counter() - t0)
         out[numel] = statistics.median(times)
+    if cfg is not None:
+        comm.barrier(group)
+        out["compute"] = measure_compute(cfg, torch.device("cpu"), threads)
     return out
 
 
-def measure_allreduce(world: int) -> tuple[float, float]:
-    """(bus bandwidth bytes/s, seconds per ring step) of ``Comm.all_reduce`` over ``world``."""
+def measure_allreduce(world: int, cfg: Config | None = None, threads: int = 1):
+    """(bus bandwidth bytes/s, seconds per ring step, slowest rank's Compute or None) of
+    ``Comm.all_reduce`` over ``world`` forked CPU ranks (with ``cfg``: compute measured in all
+    ranks at once)."""
     from shardwise.testing import run_world
     if world < 2:
-        return 0.0, 0.0
-    per_rank = run_world(_allreduce_probe, world, (30, 6), timeout=60)
+        return 0.0, 0.0, None
+    per_rank = run_world(_allreduce_probe, world, (30, 6), cfg, threads, timeout=120)
     small = max(r[SMALL] for r in per_rank)
     large = max(r[LARGE] for r in per_rank)
     steps = 2 * (world - 1)
     bw = steps / world * (LARGE - SMALL) * 4 / max(large - small, 1e-9)
-    return bw, small / steps
+    computes = [r["compute"] for r in per_rank if "compute" in r]
+    slowest = min(computes, key=lambda c: c.model_flops) if computes else None
+    return bw, small / steps, slowest
 
 
 def processes(cfg: Config) -> int:
@@ -215,17 +213,18 @@ def calibrate(cfg: Config) -> Calibration:
     from shardwise.runtime import pick_device
     t0 = time.perf_counter()
     n = processes(cfg)
-    bw, latency = measure_allreduce(n)
     device = pick_device(cfg.train.device, 0)
     if device.type == "cuda":
+        bw, latency, _ = measure_allreduce(n)
         whole = measure_compute(cfg, device, torch.get_num_threads())
         per_rank, memory = whole, torch.cuda.get_device_properties(device).total_memory
     else:
         threads = int(os.environ.get("OMP_NUM_THREADS", "1")) if n > 1 else torch.get_num_threads()
-        per_rank = measure_compute(cfg, device, threads)
-        if n > 1:
-            per_rank = per_rank.scaled(min(1.0, _cores() / (n * threads)))
-        whole = measure_compute(cfg, device, torch.get_num_threads()) if n > 1 else per_rank
+        # on CPU the ranks share the cores and the memory bus: time each rank's compute while
+        # all ranks run at once, in the same forked world that measures the allreduce
+        bw, latency, per_rank = measure_allreduce(n, cfg, threads)
+        whole = measure_compute(cfg, device, torch.get_num_threads())
+        per_rank = per_rank or whole
         memory = _ram_bytes()
     return Calibration(device.type, n, per_rank, whole, bw, latency, memory,
                        time.perf_counter() - t0)
