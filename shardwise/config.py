@@ -93,7 +93,7 @@ class MemoryConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = _f(200, "optimizer steps to run")
+    steps: int = _f(500, "optimizer steps to run")
     batch_size: int = _f(16, "global batch (sequences or images per step, all ranks together)")
     lr: float = _f(3e-3, "peak learning rate")
     optimizer: str = _f("adamw", "optimizer", ("adamw", "adam", "sgd"))
@@ -101,7 +101,7 @@ class TrainConfig:
     warmup_steps: int = _f(20, "linear learning-rate warmup steps")
     lr_schedule: str = _f("cosine", "after warmup: cosine decay to 10% or constant",
                           ("cosine", "constant"))
-    eval_every: int = _f(50, "evaluate on held-out data every N steps (0 = only at the end)")
+    eval_every: int = _f(100, "evaluate on held-out data every N steps (0 = only at the end)")
     eval_batches: int = _f(8, "batches per evaluation")
     seed: int = _f(0, "seed for weights and data order")
     device: str = _f("auto", "auto = cuda when present, else cpu", ("auto", "cpu", "cuda"))

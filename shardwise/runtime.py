@@ -88,6 +88,8 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
 
 
 def shutdown(rt: Runtime) -> None:
-    """Leave the world cleanly (every rank reaches this point)."""
+    """Leave the world cleanly (every rank reaches this point): wait for every rank, so none
+    tears its connections down while another still uses them, then destroy the groups."""
     if dist.is_initialized():
+        rt.comm.barrier(rt.mesh.world)
         dist.destroy_process_group()
