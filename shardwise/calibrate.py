@@ -78,6 +78,7 @@ class Calibration:
             efficiency=c.model_flops / peak, block_overhead=c.block_overhead, mem_bw=c.mem_bw,
             host_bw=c.mem_bw / 2, host_mem_bw=c.mem_bw, host_memory_bytes=_ram_bytes(),
             reserved_bytes=0 if cpu else 2**30, name=f"{self.device} (calibrated)",
+            comm_overlap=0.0 if cpu else 1.0,   # CPU ranks reduce on the cores they compute on
             interconnect="shm" if cpu else "gloo")
 
     def describe(self) -> str:

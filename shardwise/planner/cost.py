@@ -15,7 +15,9 @@ reduce-scatter run during the last micro-batch's backward; ZeRO-2's reduce-scatt
 micro-batch's backward; ZeRO-3's gathers during the forward and the backward they feed; a
 forward is 1/3 of a micro-batch's compute (1/4 with recomputation). With a pipeline the dp sync
 runs after the flush, exposed (Megatron-LM 2021). Tensor-parallel allreduces, pipeline sends,
-offload copies and parameter-server traffic are never overlapped.
+offload copies and parameter-server traffic are never overlapped. ``Hardware.comm_overlap``
+scales what compute can hide (1 on accelerators; a CPU calibration sets 0, since there the
+collectives need the cores that backward is using).
 The optimizer step is memory-bound: bytes touched per parameter over device (or host) bandwidth.
 """
 from __future__ import annotations
@@ -157,10 +159,12 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
     dp = comm.dp_traffic(layout, p_dev, hw, batch)
     tp = comm.tp_time(layout, model, hw, batch, layers_on_stage(model, layout.pp, 0))
     p2p = comm.p2p_stage_time(layout, model, hw, batch)
-    per_mb = _exposed_per_microbatch(dp, fwd, bwd)
+    # what compute can hide: all of it on accelerators, none where collectives need the cores
+    hide_fwd, hide_bwd = fwd * hw.comm_overlap, bwd * hw.comm_overlap
+    per_mb = _exposed_per_microbatch(dp, hide_fwd, hide_bwd)
     slot = t_mb + tp + p2p + per_mb
     once = dp.after_step + (dp.last_backward if layout.pp > 1 else
-                            max(0.0, dp.last_backward - bwd))
+                            max(0.0, dp.last_backward - hide_bwd))
     optimizer_s, offload_s = _optimizer_and_offload(layout, model, hw, batch, p_dev, m)
     ps = comm.ps_time(layout, model, hw, batch)
     bubble_s = (layout.pp - 1) * slot

@@ -42,6 +42,10 @@ class Hardware:
     """Device memory tensors cannot use (CUDA context, workspaces)."""
     block_overhead: float = 0.0
     """Fixed seconds per transformer block per micro-batch (launches, dispatch), fwd + bwd."""
+    comm_overlap: float = 1.0
+    """Fraction of compute time that data-parallel traffic can hide behind: 1 where NICs and
+    copy engines move the bytes (GPUs), 0 where collectives and compute share the same cores
+    (CPU training: the reduction needs the cores that backward is using)."""
     host_bw: float = 20e9
     """Device <-> host copy bandwidth per device, bytes/s (offload)."""
     host_memory_bytes: int = catalogue.HOST_DEFAULTS["host_memory_bytes"]
@@ -68,6 +72,9 @@ class Hardware:
                     flag = _FLAGS.get(f.name, f.name)
                     raise PlanError(flag, value, "is not positive",
                                     f"give --{flag.replace('_', '-')} a number above zero")
+        if self.comm_overlap > 1:
+            raise PlanError("comm_overlap", self.comm_overlap, "is above 1",
+                            "give the fraction of compute that can hide communication, 0 to 1")
         if self.efficiency > 1:
             raise PlanError("efficiency", self.efficiency, "is above 1",
                             "give the fraction of peak reached, e.g. 0.5")

@@ -10,6 +10,8 @@ that do not fit are dropped; the rest are ranked by step time (ties: less memory
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 from typing import Iterator
 
@@ -101,7 +103,16 @@ def _family(lay: Layout) -> tuple:
 
 
 def _order(e: Estimate) -> tuple:
-    return (round(e.step_s, 12), e.memory_total)
+    """Fastest first; layouts within 1% of each other's step time (the model's resolution) go
+    simplest first (fewer sharded states, no offload, no recomputation, fewer model splits),
+    then smallest memory: between equals, the one with fewer moving parts wins."""
+    return (round(math.log(max(e.step_s, 1e-12)) / math.log(1.01)), _complexity(e.layout),
+            e.memory_total)
+
+
+def _complexity(layout: Layout) -> int:
+    return (layout.zero + (layout.offload != "none") + bool(layout.act_ckpt) + (layout.tp > 1)
+            + (layout.pp > 1) + bool(layout.num_ps))
 
 
 def fits_one_device(model: ModelSpec, hw: Hardware, batch: Batch) -> bool:
