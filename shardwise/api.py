@@ -100,6 +100,10 @@ class Engine:
     def full_state_dict(self) -> dict:
         return self.strategy.full_state_dict()
 
+    def close(self) -> None:
+        """Release the strategy's threads and files (after the last step)."""
+        self.strategy.close()
+
 
 def prepare(model: nn.Module, optimizer_factory: OptimizerFactory, config: Config | None = None,
             *, loss_fn: LossFn | None = None, runtime: Runtime | None = None) -> Engine:

@@ -106,9 +106,13 @@ def cmd_train(argv: list[str]) -> int:
     from shardwise.train import train
     rt = init_runtime(cfg)
     try:
-        train(cfg, rt)
-    finally:
-        shutdown(rt)
+        train(cfg, rt)["engine"].close()
+    except BaseException:
+        # no barrier: the other ranks may be inside a collective this rank will never join;
+        # exiting lets torchrun stop them and report this rank's error
+        shutdown(rt, clean=False)
+        raise
+    shutdown(rt)
     return 0
 
 
@@ -135,6 +139,9 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
+    import os
+    if os.getcwd() not in sys.path:   # benchmarks/ lives beside shardwise/ in a checkout
+        sys.path.insert(0, os.getcwd())
     try:
         from benchmarks.run import main as bench_main
     except ImportError:

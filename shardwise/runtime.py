@@ -8,6 +8,7 @@ otherwise, and builds the mesh. Without a launcher it is a world of one: no proc
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,10 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
+        if cfg.parallel.strategy == "ps":
+            # a hung worker must not block the loop's world-wide collectives (metrics,
+            # evaluation) for gloo's default 30 minutes: fail them after a few ps timeouts
+            kwargs["timeout"] = timedelta(seconds=max(60.0, 4 * cfg.parallel.ps_timeout))
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
     elif dist.is_initialized():
         backend = dist.get_backend()
@@ -87,9 +92,11 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
                    local_rank=local_rank)
 
 
-def shutdown(rt: Runtime) -> None:
-    """Leave the world cleanly (every rank reaches this point): wait for every rank, so none
-    tears its connections down while another still uses them, then destroy the groups."""
+def shutdown(rt: Runtime, clean: bool = True) -> None:
+    """Leave the world. ``clean`` (every rank got here after a finished run): wait for every
+    rank first, so none tears its connections down while another still uses them. After an
+    error: no barrier (the others may be stuck in a collective this rank will not join)."""
     if dist.is_initialized():
-        rt.comm.barrier(rt.mesh.world)
+        if clean:
+            rt.comm.barrier(rt.mesh.world)
         dist.destroy_process_group()

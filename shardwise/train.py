@@ -92,7 +92,7 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     writer = JsonlWriter(os.path.join(out, "metrics.jsonl") if main else None)
     bar = _Progress(main and cfg.logging.progress and not quiet, cfg.train.steps)
     peak = device_peak_flops(rt.device)
-    losses, step_times, val = [], [], (None, None)
+    losses, step_times, val, train_sent = [], [], (None, None), 0
     start = time.perf_counter()
     try:
         for step in range(cfg.train.steps):
@@ -103,21 +103,22 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
             t0 = time.perf_counter()
             loss = engine.train_step(x, y)
             dt = time.perf_counter() - t0
+            sent = rt.comm.meter.total().bytes_sent - sent0   # this step's training traffic only
+            train_sent += sent
             losses.append(loss)
             step_times.append(dt)
             last = step == cfg.train.steps - 1
             if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or last:
                 val = evaluate(engine, data, cfg)
             if (step + 1) % cfg.logging.log_every == 0 or last:
-                record = _record(step, loss, lr, dt, items, flops_per_item, peak, val, rt,
-                                 rt.comm.meter.total().bytes_sent - sent0)
+                record = _record(step, loss, lr, dt, items, flops_per_item, peak, val, rt, sent)
                 writer.write(record)
             bar.update(f"loss {loss:.3f}" + (f" val {val[0]:.3f}" if val[0] is not None else ""))
     finally:
         bar.close()
         writer.close()
     summary = _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak,
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, train_sent)
     if main:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "summary.json"), "w") as fh:
@@ -146,13 +147,15 @@ def _record(step, loss, lr, dt, items, flops_per_item, peak, val, rt, sent) -> d
     }
 
 
-def _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak, wall) -> dict:
+def _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak, wall,
+             train_sent: int) -> dict:
     steps = len(losses)
     # the first steps pay one-time costs (allocations, lazy init): leave them out of the median
     steady = step_times[min(2, steps - 1):]
     rate = items / statistics.median(steady)
     meter = rt.comm.meter
-    sent_per_step = meter.total().bytes_sent / max(1, steps)
+    # training traffic only: start-up broadcasts and evaluation are left out
+    sent_per_step = train_sent / max(1, steps)
     return {
         "strategy": cfg.parallel.strategy, "world_size": rt.world_size, "steps": steps,
         "losses": losses, "final_loss": losses[-1], "val_loss": val[0], "val_accuracy": val[1],

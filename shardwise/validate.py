@@ -92,6 +92,71 @@ def _data(cfg: Config) -> None:
                           "give an existing directory, or leave it empty")
 
 
+def parse_stage_layers(text: str, n_layer: int, p: int) -> list[int]:
+    """'1,3' -> [1, 3]: blocks per pipeline stage, p positive counts summing to n_layer."""
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise ConfigError("parallel.stage_layers", text, "not a comma-separated list of integers",
+                          "give blocks per stage, e.g. '1,3'") from None
+    if len(counts) != p or sum(counts) != n_layer or min(counts) < 1:
+        raise ConfigError("parallel.stage_layers", text, f"need {p} positive counts summing to "
+                          f"n_layer = {n_layer}", "give one count per stage, or leave it empty")
+    return counts
+
+
+def parse_straggler(spec: str, num_workers: int) -> dict[int, float]:
+    """'1:3,2:1.5' -> {1: 3.0, 2: 1.5}: worker index -> step-time factor (>= 1)."""
+    out = {}
+    for part in filter(None, (s.strip() for s in spec.split(","))):
+        try:
+            w, factor = part.split(":")
+            w, factor = int(w), float(factor)
+        except ValueError:
+            raise ConfigError("parallel.straggler", spec, f"cannot read {part!r}",
+                              "write WORKER:FACTOR[,WORKER:FACTOR], e.g. '1:3'") from None
+        if not 0 <= w < num_workers or factor < 1:
+            raise ConfigError("parallel.straggler", spec, f"worker {w} / factor {factor} out of "
+                              f"range", f"use workers 0..{num_workers - 1} and factors >= 1")
+        out[w] = factor
+    return out
+
+
+def _runtime_checks(cfg: Config, world_size: int) -> None:
+    """What the run would only discover after its processes started."""
+    p, m = cfg.parallel, cfg.model
+    if p.strategy not in ("tp", "pp", "3d", "auto") and (p.tp > 1 or p.pp > 1):
+        raise ConfigError("parallel.tp" if p.tp > 1 else "parallel.pp", p.tp if p.tp > 1 else p.pp,
+                          f"strategy {p.strategy} does not split the model",
+                          "use --strategy tp, pp or 3d, or leave tp and pp at 1")
+    if p.stage_layers and p.pp > 1:
+        parse_stage_layers(p.stage_layers, m.n_layer, p.pp)
+    if p.straggler and p.strategy == "ps":
+        parse_straggler(p.straggler, p.num_workers or world_size - p.num_ps)
+    if m.name == "gpt":
+        smallest = (int(cfg.data.max_bytes * cfg.data.val_fraction) if cfg.data.dataset == "stdlib"
+                    else (1 << 20) // 10)
+        if m.block_size + 1 >= smallest:
+            raise ConfigError("model.block_size", m.block_size, f"longer than the validation split"
+                              f" (~{smallest} tokens)", "use a shorter block_size or more --max-bytes")
+    if cfg.train.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device", "cuda", "no CUDA device is visible",
+                              "use --device cpu (or auto)")
+    _check_writable(cfg.logging.out_dir)
+
+
+def _check_writable(path: str) -> None:
+    """out_dir, or the nearest folder above it that exists, must be writable."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        raise ConfigError("logging.out_dir", path, "cannot be written here",
+                          "give a directory you can write to")
+
+
 def resolve_dp(cfg: Config, world_size: int) -> int:
     """The data-parallel size: given, or what the world leaves after tp and pp."""
     p = cfg.parallel
@@ -149,4 +214,24 @@ def validate(cfg: Config, world_size: int) -> Config:
                           f"not divisible by replicas={cfg.parallel.replicas}",
                           "use a multiple of the replica count")
     _layout(cfg, world_size)
+    _accumulation(cfg, world_size)
+    _runtime_checks(cfg, world_size)
     return cfg
+
+
+def _accumulation(cfg: Config, world_size: int) -> None:
+    """Every process's rows must split into grad_accum equal micro-batches (whatever the
+    strategy), or accumulation would weight unequal halves equally."""
+    p, k = cfg.parallel, cfg.memory.grad_accum
+    if p.strategy in ("single", "auto"):
+        shards = 1
+    elif p.strategy == "dp":
+        shards = p.replicas
+    elif p.strategy == "ps":
+        shards = p.num_workers or world_size - p.num_ps
+    else:
+        return  # checked by _layout with the dp size
+    if cfg.train.batch_size % (shards * k):
+        raise ConfigError("memory.grad_accum", k, f"batch_size {cfg.train.batch_size} does not "
+                          f"split into {shards} shard(s) x {k} equal micro-batches",
+                          "use a batch_size that is a multiple of shards x grad_accum")

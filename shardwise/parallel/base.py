@@ -140,6 +140,9 @@ class Strategy:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
+    def close(self) -> None:
+        """Release threads, files and buffers the strategy holds (the model stays usable)."""
+
     def memory_ledger(self) -> dict[str, int]:
         """Bytes this rank holds, by the categories the planner predicts."""
         params = list(self.model.parameters())

@@ -51,7 +51,7 @@ class DDPStrategy(Strategy):
         self.buckets = GradBuckets(list(self.model.named_parameters()), p.bucket_mb * 2**20,
                                    self._on_ready)
         self.optimizer = optimizer_factory([q for q in self.model.parameters() if q.requires_grad])
-        self._sync = True
+        self._sync, self._next = True, 0
 
     def _broadcast_state(self) -> None:
         """Every replica starts from dp member 0's parameters and buffers."""
@@ -62,12 +62,23 @@ class DDPStrategy(Strategy):
     # -- backward: launch each bucket's reduction as soon as it is ready ------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.buckets.reset()
+        self._next = 0                       # launches go in bucket order on every rank
+        for bucket in self.buckets.buckets:  # readiness is per backward (no_sync steps too)
+            bucket.extra["ready"] = False
         with self.autocast():
             return self.model(x)
 
     def _on_ready(self, bucket: Bucket) -> None:
-        if self._sync and self.overlap:
-            self._launch(bucket)
+        """Launch ready buckets in index order: every rank must issue its collectives in the
+        same order, and which bucket fills first can differ between ranks (data-dependent
+        branches under find_unused)."""
+        bucket.extra["ready"] = True
+        if not (self._sync and self.overlap):
+            return
+        buckets = self.buckets.buckets
+        while self._next < len(buckets) and buckets[self._next].extra.get("ready"):
+            self._launch(buckets[self._next])
+            self._next += 1
 
     def _launch(self, bucket: Bucket) -> None:
         if bucket.work is not None or self.group.size == 1:
@@ -94,7 +105,7 @@ class DDPStrategy(Strategy):
                     f"ddp: some parameters got no gradient in this step (in buckets with {names}); "
                     "fix: pass --find-unused (find_unused=True) or use every parameter in forward")
         n = self.group.size
-        for bucket in self.buckets.buckets:
+        for bucket in self.buckets.buckets:   # what backward left, still in index order
             self._launch(bucket)
         for bucket in self.buckets.buckets:
             if bucket.work is not None:
@@ -118,6 +129,10 @@ class DDPStrategy(Strategy):
         self._finish()
         self.optimizer.step()
         self.buckets.zero()
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
 
     # -- accounting --------------------------------------------------------------------------
     def memory_ledger(self) -> dict[str, int]:

@@ -104,6 +104,9 @@ class DataParallelStrategy(Strategy):
     def step(self) -> None:
         raise RuntimeError(self._ONLY_TRAIN_STEP)
 
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 

@@ -84,7 +84,7 @@ class HybridStrategy(Strategy):
             model = PipelineStage(model, bounds, mesh.pp_rank)
             self.actions = sched.build(p.schedule, mesh.pp, p.num_microbatches)[mesh.pp_rank]
             self.executor = PipelineExecutor(model, self.comm, mesh.pp_group, self.loss_fn,
-                                             self.device)
+                                             self.device, autocast=self.autocast)
         self.model = model.to(self.device)
         # 3. data parallel / ZeRO-1 over dp: flat gradient buffer, optimizer on all or a shard
         self.zero1 = p.zero1_over_dp
@@ -118,7 +118,8 @@ class HybridStrategy(Strategy):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._no_pipeline("engine(x) / forward")
-        return self.model(x)            # tp > 1: this rank's vocabulary columns of the logits
+        with self.autocast():
+            return self.model(x)        # tp > 1: this rank's vocabulary columns of the logits
 
     def backward(self, loss: torch.Tensor) -> None:
         self._no_pipeline("engine.backward(loss)")

@@ -37,26 +37,9 @@ import torch.nn as nn
 
 from shardwise.comm.ps_transport import HEADER, Links, ServerEnd, WorkerEnd, pack, \
     partition_by_bytes, task_name, unpack
-from shardwise.config import ConfigError
+from shardwise.validate import parse_straggler
 from shardwise.parallel.base import OptimizerFactory, Strategy, optimizer_state_bytes, tensor_bytes
 from shardwise.parallel.ps_server import ParamServer
-
-
-def parse_straggler(spec: str, num_workers: int) -> dict[int, float]:
-    """'1:3,2:1.5' -> {1: 3.0, 2: 1.5}: worker index -> step-time factor (>= 1)."""
-    out = {}
-    for part in filter(None, (s.strip() for s in spec.split(","))):
-        try:
-            w, factor = part.split(":")
-            w, factor = int(w), float(factor)
-        except ValueError:
-            raise ConfigError("parallel.straggler", spec, f"cannot read {part!r}",
-                              "write WORKER:FACTOR[,WORKER:FACTOR], e.g. '1:3'") from None
-        if not 0 <= w < num_workers or factor < 1:
-            raise ConfigError("parallel.straggler", spec, f"worker {w} / factor {factor} out of "
-                              f"range", f"use workers 0..{num_workers - 1} and factors >= 1")
-        out[w] = factor
-    return out
 
 
 class ParameterServerStrategy(Strategy):

@@ -114,6 +114,7 @@ class ZeroBase(Strategy):
         c.pending -= 1
         if c.pending == 0:
             c.pending = c.trainable
+            c.extra["readied"] = True
             self._chunk_ready(self._chunk_of[p])
 
     def _chunk_ready(self, index: int) -> None:
@@ -155,6 +156,8 @@ class ZeroBase(Strategy):
         if not torch.is_grad_enabled():
             out = self.model(x)
         else:
+            for c in self.chunks:        # a new backward: count every chunk's gradients afresh
+                c.pending, c.extra["readied"] = c.trainable, False
             with self._measure_activations():
                 out = self.model(x)
         return out if self.dtype == torch.float32 else out.float()
@@ -174,7 +177,24 @@ class ZeroBase(Strategy):
         finally:
             self._syncing = True
 
+    def close(self) -> None:
+        self.collectives.close()
+        self.store.close()
+
+    def _check_all_ready(self) -> None:
+        """ZeRO reduces a chunk only when all its gradients arrived: a parameter that got none
+        would leave its chunk unreduced (and the update silently wrong), so stop instead."""
+        missing = [c for c in self.chunks if c.trainable and not c.extra.get("readied", True)]
+        if missing:
+            names = [n for n, p in self.model.named_parameters()
+                     if any(p is q for c in missing for q in c.params) and p.grad is None][:5]
+            raise RuntimeError(f"{self.name}: some parameters got no gradient in this step "
+                               f"({names or 'in a partly used unit'}); ZeRO needs every parameter "
+                               "used in each forward; fix: use them all, or train with --strategy ddp "
+                               "--find-unused")
+
     def step(self) -> None:
+        self._check_all_ready()
         self._finish_reductions()
         if self._grads_finite():
             self._optimizer_step()

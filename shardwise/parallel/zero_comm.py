@@ -35,6 +35,10 @@ class ShardCollectives:
         if ring and group.size > 1:
             self.ring = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-zero")
 
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.shutdown(wait=True)
+
     def _finish(self, work: Work, async_op: bool) -> Work:
         if async_op:
             return work

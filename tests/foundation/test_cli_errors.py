@@ -22,6 +22,15 @@ BAD = [
     (["--batch-size", "7", "--nproc-per-node", "2"], "train.batch_size = 7", "multiple of dp"),
     (["--lr", "0"], "train.lr = 0.0", "must be positive"),
     (["--model", "lenet"], "data.dataset = 'stdlib'", "digits"),
+    (["--strategy", "pp", "--pp", "2", "--stage-layers", "1,1"], "parallel.stage_layers = '1,1'",
+     "one count per stage"),
+    (["--strategy", "ps", "--num-ps", "1", "--num-workers", "2", "--straggler", "5:2"],
+     "parallel.straggler = '5:2'", "workers 0..1"),
+    (["--strategy", "ddp", "--tp", "2"], "parallel.tp = 2", "--strategy tp, pp or 3d"),
+    (["--block-size", "300000"], "model.block_size = 300000", "shorter block_size"),
+    (["--out-dir", "/etc/hostname/runs"], "logging.out_dir = '/etc/hostname/runs'", "you can write to"),
+    (["--strategy", "dp", "--batch-size", "10", "--grad-accum", "2"], "memory.grad_accum = 2",
+     "multiple of shards x grad_accum"),
 ]
 
 
@@ -32,6 +41,15 @@ def test_bad_value_is_one_clear_line(argv, names, fix, capsys):
     assert code == 2
     assert err.count("\n") == 0, err
     assert err.startswith("error: ") and names in err and "fix:" in err and fix in err, err
+
+
+def test_cuda_without_a_gpu(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the check cannot fire")
+    assert main(["train", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "train.device = 'cuda'" in err and "--device cpu" in err
 
 
 def test_unknown_flag_is_one_line(capsys):

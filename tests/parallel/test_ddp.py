@@ -60,14 +60,15 @@ def _traffic(rank, n):
         rt = init_runtime(c)
         s = train(c, rt, quiet=True)
         grad_bytes = sum(p.numel() * 4 for p in s["engine"].model.parameters())
-        out[label] = (rt.comm.meter.snapshot(), grad_bytes, len(s["engine"].strategy.buckets.buckets))
+        out[label] = (rt.comm.meter.snapshot(), grad_bytes, len(s["engine"].strategy.buckets.buckets),
+                      s["bytes_sent_per_rank"])
     return out
 
 
 def test_meter_shows_ring_traffic_2_n_minus_1_over_n_k():
     for n in (2, 4):
         res = run_world(_traffic, n)[0]
-        snap, k, buckets = res["ring"]
+        snap, k, buckets, _ = res["ring"]
         assert buckets > 1
         ring = snap["ddp_ring_all_reduce"]
         expected = 2 * (n - 1) / n * k * 3  # 3 steps
@@ -79,6 +80,10 @@ def test_meter_shows_ring_traffic_2_n_minus_1_over_n_k():
         assert ring["bytes_sent"] > 0
         native = res["native"][0]["ddp_all_reduce"]   # algorithmic bytes: int() per call
         assert native["bytes_sent"] == pytest.approx(expected, abs=buckets * 3)
+        # the summary's per-step figure is the gradient traffic alone (no start-up broadcast,
+        # no evaluation), the same on every rank
+        per_step = res["native"][3]
+        assert per_step == [native["bytes_sent"] / 3] * n
 
 
 class UserNet(nn.Module):

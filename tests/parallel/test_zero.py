@@ -208,3 +208,31 @@ def test_world_of_one_is_plain_training():
         ref = single_run(cfg)
         assert_close_runs(summary["losses"], ref[0], summary["engine"].full_state_dict(), ref[1],
                           rtol=0, atol=0, why="one rank: every collective is a copy")
+
+
+def _unused_branch(rank, n, strategy):
+    import torch.nn as nn
+
+    import shardwise
+    from shardwise.config import Config, ParallelConfig, TrainConfig
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Linear(6, 3), "extra": nn.Linear(6, 3)})
+    model.forward = lambda x, use=False: model["body"](x) + (model["extra"](x) if use else 0)
+    cfg = Config(parallel=ParallelConfig(strategy=strategy), train=TrainConfig(batch_size=4, device="cpu"))
+    engine = shardwise.prepare(model, lambda ps: torch.optim.SGD(ps, lr=0.1), cfg,
+                               loss_fn=nn.functional.cross_entropy)
+    x, y = engine.shard(torch.randn(4, 6), torch.tensor([0, 1, 2, 0]))
+    engine.backward(engine.loss_fn(engine(x), y))
+    try:
+        engine.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_a_parameter_without_gradient_stops_with_a_clear_error(strategy):
+    # ZeRO reduces a unit only once all its gradients arrived; silently skipping one would
+    # train wrong, so the step must refuse and name the way out
+    for msg in run_world(_unused_branch, 2, strategy):
+        assert "no gradient" in msg and "--find-unused" in msg, msg

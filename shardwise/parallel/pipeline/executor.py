@@ -13,6 +13,8 @@ processes of one host), for timeline.py.
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 from dataclasses import dataclass, field
 
@@ -35,8 +37,10 @@ class StepRecord:
 class PipelineExecutor:
     """Runs schedules for one stage module; ``act_shape`` is a micro-batch's (b, T, C)."""
 
-    def __init__(self, stage: nn.Module, comm: Comm, pp_group: Group, loss_fn, device):
+    def __init__(self, stage: nn.Module, comm: Comm, pp_group: Group, loss_fn, device,
+                 autocast=contextlib.nullcontext):
         self.stage, self.comm, self.group = stage, comm, pp_group
+        self.autocast = autocast    # mixed precision: the stage runs under it, activations go fp32
         self.loss_fn, self.device = loss_fn, device
         self.index, self.num_stages = pp_group.rank, pp_group.size
         self.is_first, self.is_last = self.index == 0, self.index == self.num_stages - 1
@@ -66,7 +70,8 @@ class PipelineExecutor:
             x = self._xs[i].to(self.device)                 # (b, T) token ids
         else:
             x = self._inputs[i]                              # (b, T, C), requires grad
-        out = self.stage(x)
+        with self.autocast():
+            out = self.stage(x).float()                      # fp32 on the wire and into the loss
         if self.is_last:
             out = self.loss_fn(out, self._ys[i].to(self.device)) * self._scale
             self._loss += out.detach()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from shardwise import validate
+
 
 def _numel(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
@@ -46,16 +48,9 @@ def balanced_bounds(costs: list[int], first_extra: int, last_extra: int, p: int)
 
 
 def parse_stage_layers(text: str, n_layer: int, p: int) -> list[tuple[int, int]]:
-    """'1,3' -> [(0, 1), (1, 4)]; the counts must be p positive numbers summing to n_layer."""
-    try:
-        counts = [int(c) for c in text.split(",")]
-    except ValueError:
-        raise ValueError(f"parallel.stage_layers = {text!r}: not a comma-separated list of integers")
-    if len(counts) != p or sum(counts) != n_layer or min(counts) < 1:
-        raise ValueError(f"parallel.stage_layers = {text!r}: need {p} positive counts summing to "
-                         f"n_layer = {n_layer}")
+    """'1,3' -> [(0, 1), (1, 4)] (the text is checked by shardwise.validate)."""
     bounds, start = [], 0
-    for c in counts:
+    for c in validate.parse_stage_layers(text, n_layer, p):
         bounds.append((start, start + c))
         start += c
     return bounds
