@@ -6,15 +6,18 @@ parent's torch import, a spawned one costs ~4 s), joins them into a gloo world t
 per process, calls ``fn(rank, n, *args)`` in each and returns the list of return values (rank
 order). Results travel through files written with torch.save. A rank that raises makes the
 whole call raise with that rank's traceback; a world that does not finish within ``timeout``
-seconds is killed and the call raises, so a deadlock fails instead of hanging.
+seconds is killed and the call raises, so a deadlock fails instead of hanging; when one rank
+fails, the others are killed at once (they would only wait for it).
 
 Put several checks in one world: each world costs process start-up and rendezvous.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import tempfile
+import time
 import traceback
 
 import torch
@@ -37,6 +40,19 @@ def _child(fn, rank, n, init_file, out_dir, args, env):
     os._exit(0)
 
 
+def _wait_all(procs, deadline: float) -> None:
+    """Until every process has exited, one has failed (the rest would wait on it forever), or
+    the deadline (one for the whole world, not per process) has passed."""
+    while True:
+        alive = [p for p in procs if p.is_alive()]
+        if not alive or any(p.exitcode not in (None, 0) for p in procs):
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        mp_connection.wait([p.sentinel for p in alive], timeout=left)
+
+
 def run_world(fn, n: int, *args, timeout: float = 120.0, env: dict | None = None) -> list:
     """fn(rank, world_size, *args) in each of ``n`` gloo processes; their results in rank order."""
     ctx = mp.get_context("fork")
@@ -47,8 +63,7 @@ def run_world(fn, n: int, *args, timeout: float = 120.0, env: dict | None = None
                  for r in range(n)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout)
+        _wait_all(procs, time.monotonic() + timeout)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():

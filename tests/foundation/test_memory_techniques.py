@@ -27,4 +27,6 @@ def test_mixed_precision_trains_with_fp32_master_weights(dtype):
     assert all(p.dtype == torch.float32 for p in params.values())
     assert losses[-1] < losses[0]
     assert losses != fp32_losses  # low precision really ran
+    # bf16 / fp16 matmuls keep 8 / 11 mantissa bits: after 15 steps the loss drifts by well under
+    # 1%; 5% still fails if autocast broke training (e.g. a loss computed in low precision)
     assert abs(losses[-1] - fp32_losses[-1]) < 0.05 * fp32_losses[-1]

@@ -160,6 +160,9 @@ def test_gradient_compression_trains_with_small_error():
     for c in ("bf16", "fp16"):
         losses, params = res[c]
         # loss curve within 1% of the uncompressed one; not identical (rounding is real)
+        # bf16 rounds each gradient to 8 mantissa bits (relative 2^-9 = 0.2%); averaged over a
+        # bucket the loss moves far less (measured ~1e-5): 1% catches a broken cast (e.g. a
+        # gradient not copied back), not rounding
         assert max(abs(a - b) / b for a, b in zip(losses, base_losses)) < 0.01
         diff = max((params[k] - base_params[k]).abs().max().item() for k in params)
         assert diff > 0
