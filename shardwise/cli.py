@@ -100,6 +100,13 @@ def cmd_train(argv: list[str]) -> int:
             return error(str(exc))
         cfg, argv = choice.config, [*argv, *choice.flags]
         world = launch.world_size(cfg)
+    if not cfg.logging.run_name:
+        # name the run once, here: every rank (and the schedule picture) must use the same folder
+        import time
+        from dataclasses import replace
+        name = f"{cfg.parallel.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+        cfg = replace(cfg, logging=replace(cfg.logging, run_name=name))
+        argv = [*argv, "--run-name", name]
     if world > 1 and not launch.under_launcher():
         return launch.relaunch(world, ["train", *argv])
     from shardwise.runtime import init_runtime, shutdown

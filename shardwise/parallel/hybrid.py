@@ -136,8 +136,8 @@ class HybridStrategy(Strategy):
             self.comm.reduce_scatter(grad, flat.grads, dp, op="avg", name="zero1_grad")
             self.master.grad = grad
             self.optimizer.step()
-            # the input is part of the output: gather from a copy (1/dp of the parameters)
-            self.comm.all_gather(flat.params, self.master.detach().clone(), dp, name="zero1_params")
+            # the input is this rank's slice of the output: an in-place gather
+            self.comm.all_gather(flat.params, self.master.detach(), dp, name="zero1_params")
         flat.grads.zero_()
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -221,5 +221,5 @@ class HybridStrategy(Strategy):
             "gradients": tensor_bytes([self.flat.grads]),
             "optimizer_states": optimizer_state_bytes(self.optimizer),
             "master_weights": 0,          # ZeRO-1's optimizer works on a view of the parameters
-            "comm_buffers": tensor_bytes([self.master]) if self.zero1 else 0,  # the gather copy
+            "comm_buffers": 0,
         }
