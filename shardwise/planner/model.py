@@ -93,7 +93,7 @@ class ModelSpec:
     def describe(self) -> str:
         """One line: ``175B: L=96 h=12288 a=96 s=2048 V=50257, 174.6e9 parameters``."""
         return (f"{self.name}: L={self.layers} h={self.hidden} a={self.heads} s={self.seq_len} "
-                f"V={self.vocab}, {self.params / 1e9:.4g}e9 parameters")
+                f"V={self.vocab}, {_count(self.params)} parameters")
 
     def to_dict(self) -> dict:
         """All fields and the parameter count, for ``--format json``."""
@@ -127,3 +127,11 @@ def parse_model(text: str) -> ModelSpec:
         return ModelSpec(layers, hidden, heads, seq_len, vocab, name=text.replace(" ", ""))
     raise PlanError("model", text, "is neither a preset nor L,H,A,S,V",
                     f"use one of {', '.join(PRESETS)}, or e.g. 24,2048,16,2048,50257")
+
+
+def _count(n: float) -> str:
+    """174.6e9 / 6.74e9 / 875.3e3: the parameter count with a readable exponent."""
+    for exp in (12, 9, 6, 3):
+        if n >= 10 ** exp:
+            return f"{n / 10 ** exp:.4g}e{exp}"
+    return f"{n:.0f}"
