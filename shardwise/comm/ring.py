@@ -134,11 +134,11 @@ class _FutureWork:
 
 
 class RingRunner:
-    """Runs ring allreduces asynchronously, in launch order, on one background thread.
+    """Runs ring collectives asynchronously, in launch order, on one background thread.
 
     The backend's collectives are asynchronous by themselves; the ring is a sequence of blocking
-    steps, so to overlap it with backward (DDP) it runs on a thread of its own. One thread keeps
-    every rank's ring calls in the same order, which point-to-point matching requires.
+    steps, so to overlap it with backward (DDP, ZeRO) it runs on a thread of its own. One thread
+    keeps every rank's ring calls in the same order, which point-to-point matching requires.
     """
 
     def __init__(self, comm: Comm):
@@ -147,8 +147,18 @@ class RingRunner:
 
     def all_reduce(self, t: torch.Tensor, group: Group, op: str = "sum",
                    name: str = "ring_all_reduce") -> Work:
-        future = self.pool.submit(ring_all_reduce, self.comm, t, group, op, name)
-        return Work(_FutureWork(future), self.comm.meter, name)
+        return self._submit(name, ring_all_reduce, self.comm, t, group, op, name)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: Group, op: str = "sum",
+                       name: str = "ring_reduce_scatter") -> Work:
+        return self._submit(name, ring_reduce_scatter, self.comm, out, inp, group, op, name)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: Group,
+                   name: str = "ring_all_gather") -> Work:
+        return self._submit(name, ring_all_gather, self.comm, out, inp, group, name)
+
+    def _submit(self, name: str, fn, *args) -> Work:
+        return Work(_FutureWork(self.pool.submit(fn, *args)), self.comm.meter, name)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -9,21 +9,10 @@ gets a Work to ``wait()``; blocking calls have already waited.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-
 import torch
 
 from shardwise.comm.collectives import DONE, Comm, Group, Work
-
-
-class _Future:
-    """A concurrent.futures.Future with a torch Work's ``wait()``."""
-
-    def __init__(self, future: cf.Future):
-        self.future = future
-
-    def wait(self) -> None:
-        self.future.result()
+from shardwise.comm.ring import RingRunner
 
 
 class ShardCollectives:
@@ -33,11 +22,11 @@ class ShardCollectives:
         self.comm, self.group = comm, group
         self.ring = None
         if ring and group.size > 1:
-            self.ring = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-zero")
+            self.ring = RingRunner(comm)
 
     def close(self) -> None:
         if self.ring is not None:
-            self.ring.shutdown(wait=True)
+            self.ring.close()
 
     def _finish(self, work: Work, async_op: bool) -> Work:
         if async_op:
@@ -49,10 +38,8 @@ class ShardCollectives:
                        name: str) -> Work:
         """out = the group's average of slice ``rank`` of ``inp`` (the ring overwrites inp)."""
         if self.ring is not None:
-            from shardwise.comm.ring import ring_reduce_scatter
-            fut = self.ring.submit(ring_reduce_scatter, self.comm, out, inp, self.group, "avg",
-                                   name)
-            return self._finish(Work(_Future(fut), self.comm.meter, name), async_op)
+            work = self.ring.reduce_scatter(out, inp, self.group, op="avg", name=name)
+            return self._finish(work, async_op)
         return self._finish(self.comm.reduce_scatter(out, inp, self.group, op="avg",
                                                      async_op=async_op, name=name), async_op)
 
@@ -60,8 +47,6 @@ class ShardCollectives:
                    name: str) -> Work:
         """out (N*k elements) = every member's inp (k elements), in rank order."""
         if self.ring is not None:
-            from shardwise.comm.ring import ring_all_gather
-            fut = self.ring.submit(ring_all_gather, self.comm, out, inp, self.group, name)
-            return self._finish(Work(_Future(fut), self.comm.meter, name), async_op)
+            return self._finish(self.ring.all_gather(out, inp, self.group, name=name), async_op)
         return self._finish(self.comm.all_gather(out, inp, self.group, async_op=async_op,
                                                  name=name), async_op)
