@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.comm import p2p
+from shardwise.comm.flat import FlatLayout
 from shardwise.parallel.base import Strategy, optimizer_state_bytes, tensor_bytes
 from shardwise.parallel.pipeline import schedule as sched
 from shardwise.parallel.pipeline import timeline
@@ -42,25 +43,19 @@ from shardwise.parallel.tensor import apply_tensor_parallel, gather_tp, tp_loss
 
 
 class FlatBuffers:
-    """Parameters and gradients as views of two flat buffers, padded to a multiple of ``shards``,
-    so the dp traffic is one collective and ZeRO-1's shards are contiguous ranges."""
+    """Parameters and gradients as views of two flat buffers (comm/flat.py's layout, padded to a
+    multiple of ``shards``), so the dp traffic is one collective and ZeRO-1's shards are
+    contiguous ranges."""
 
     def __init__(self, params: list[nn.Parameter], shards: int):
-        total = sum(p.numel() for p in params)
-        self.shard_size = -(-total // shards)                      # ceil
-        dtype, device = params[0].dtype, params[0].device
-        self.params = torch.zeros(self.shard_size * shards, dtype=dtype, device=device)
+        self.layout = FlatLayout.of(params, shards)
+        self.params = self.layout.new_flat(params, params[0].dtype, params[0].device)
         self.grads = torch.zeros_like(self.params)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            self.params[offset:offset + n].copy_(p.detach().reshape(-1))
-            p.data = self.params[offset:offset + n].view_as(p)
-            p.grad = self.grads[offset:offset + n].view_as(p)     # backward accumulates here
-            offset += n
+        for p, pv, gv in zip(params, self.layout.views(self.params), self.layout.views(self.grads)):
+            p.data, p.grad = pv, gv                                # backward accumulates into gv
 
     def shard(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        return flat[index * self.shard_size:(index + 1) * self.shard_size]
+        return self.layout.shard(flat, index)
 
 
 class HybridStrategy(Strategy):
