@@ -15,7 +15,6 @@ machine's speed hits both equally, and reports medians and ratios ours / peer.
 """
 from __future__ import annotations
 
-import resource
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,7 +34,9 @@ class Row:
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory, bytes (the CPU figure of shardwise.metrics)."""
+    from shardwise.metrics import peak_memory_bytes
+    return peak_memory_bytes(torch.device("cpu"))
 
 
 def timed_steps(step_fn: Callable[[], None], steps: int, warmup: int = 2) -> float:

@@ -32,9 +32,9 @@ import torch.nn as nn
 
 from shardwise.comm.buckets import Bucket, GradBuckets
 from shardwise.comm.ring import RingRunner
+from shardwise.memory.amp import DTYPES
 from shardwise.parallel.base import OptimizerFactory, Strategy, optimizer_state_bytes, tensor_bytes
 
-_COMPRESS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class DDPStrategy(Strategy):
@@ -46,7 +46,7 @@ class DDPStrategy(Strategy):
         self._broadcast_state()
         p = self.cfg.parallel
         self.overlap, self.find_unused = p.overlap, p.find_unused
-        self.compress = _COMPRESS.get(p.grad_compression)
+        self.compress = DTYPES.get(p.grad_compression)   # None for "none"
         self.ring = RingRunner(self.comm) if p.allreduce == "ring" and self.group.size > 1 else None
         self.buckets = GradBuckets(list(self.model.named_parameters()), p.bucket_mb * 2**20,
                                    self._on_ready)

@@ -44,7 +44,7 @@ class _BucketedZero(ZeroBase):
     def wrap(self, model, optimizer_factory) -> None:
         self.model = model.to(self.device)
         params = list(reversed(list(dict.fromkeys(self.model.parameters()))))
-        itemsize = max(2, torch_itemsize(self.dtype))
+        itemsize = max(2, self.dtype.itemsize)
         bucket_numel = max(1, int(self.cfg.parallel.bucket_mb * 2**20 / itemsize))
         for idx in bucket_indices([p.numel() for p in params], bucket_numel):
             c = self._make_chunk([params[i] for i in idx], full_sharded=False)
@@ -172,8 +172,3 @@ class Zero2Strategy(_BucketedZero):
 
     def _grad_bytes(self) -> int:
         return sum(storage_bytes(c.grad_shard) for c in self.chunks)
-
-
-def torch_itemsize(dtype) -> int:
-    import torch
-    return torch.empty((), dtype=dtype).element_size()

@@ -32,11 +32,11 @@ import torch.nn as nn
 
 from shardwise.comm.collectives import Work
 from shardwise.comm.flat import FlatLayout, storage_bytes
+from shardwise.memory.amp import DTYPES
 from shardwise.memory.offload import OffloadStore, prefill_adam_state
 from shardwise.parallel.base import Strategy, optimizer_state_bytes
 from shardwise.parallel.zero_comm import ShardCollectives
 
-DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(eq=False)
@@ -62,7 +62,7 @@ class ZeroBase(Strategy):
     def __init__(self, cfg, mesh, comm, device, loss_fn):
         super().__init__(cfg, mesh, comm, device, loss_fn)
         self.group = mesh.dp_group
-        self.dtype = DTYPES[cfg.memory.mixed_precision]
+        self.dtype = DTYPES.get(cfg.memory.mixed_precision, torch.float32)   # "no": fp32
         self.overlap = cfg.parallel.overlap
         self.chunks: list[Chunk] = []
         self.store = OffloadStore(cfg.memory.offload, device, cfg.memory.offload_dir,
