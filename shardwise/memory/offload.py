@@ -38,6 +38,7 @@ class OffloadStore:
         self.place, self.device, self.tag = place, device, tag
         self._maps: dict[int, np.memmap] = {}   # data_ptr -> memmap (disk)
         self._tensors: list[torch.Tensor] = []
+        self._ptrs: set[int] = set()       # data pointers of _tensors: owns() is checked per step
         self.directory = directory
         if place == "disk" and directory:
             os.makedirs(directory, exist_ok=True)
@@ -65,13 +66,14 @@ class OffloadStore:
             t = torch.from_numpy(m)[:numel]
             self._maps[t.data_ptr()] = m
         self._tensors.append(t)
+        self._ptrs.add(t.data_ptr())
         return t
 
     def zeros_like(self, t: torch.Tensor) -> torch.Tensor:
         return self.zeros(t.numel(), torch.float32).view(t.shape)
 
     def owns(self, t: torch.Tensor) -> bool:
-        return any(t.data_ptr() == s.data_ptr() for s in self._tensors)
+        return t.data_ptr() in self._ptrs
 
     def release(self, tensors) -> None:
         """Disk: write these tensors' pages back and drop them from resident memory."""
@@ -107,6 +109,7 @@ class OffloadStore:
     def close(self) -> None:
         """Forget the tensors (the unlinked files vanish with their last mapping)."""
         self._tensors.clear()
+        self._ptrs.clear()
         self._maps.clear()
 
 
