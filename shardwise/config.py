@@ -104,6 +104,8 @@ class TrainConfig:
     eval_every: int = _f(100, "evaluate on held-out data every N steps (0 = only at the end)")
     eval_batches: int = _f(8, "batches per evaluation")
     seed: int = _f(0, "seed for weights and data order")
+    grad_clip: float = _f(0.0, "clip gradients to this global L2 norm (over every shard and "
+                          "parallel axis) before each step; 0 = off")
     device: str = _f("auto", "auto = cuda when present, else cpu", ("auto", "cpu", "cuda"))
 
 
@@ -112,7 +114,11 @@ class LoggingConfig:
     out_dir: str = _f("runs", "directory for metrics.jsonl, summary.json and pictures")
     run_name: str = _f("", "sub-directory name; empty = strategy and timestamp")
     progress: bool = _f(True, "progress bar on rank 0")
-    log_every: int = _f(10, "write a metrics line every N steps")
+    log_every: int = _f(10, "write a metrics line every N steps (the mean over those steps); "
+                        "also one printed log line when stdout is not a terminal")
+    tensorboard: bool = _f(False, "also write TensorBoard event files to <run dir>/tensorboard "
+                           "(needs the 'tensorboard' extra)")
+    csv: bool = _f(False, "also write <run dir>/metrics.csv (one row per logged step)")
     schedule_png: str = _f("", "pipeline: picture of the last step's schedule; empty = "
                            "<run dir>/schedule.png, 'off' = none")
 
