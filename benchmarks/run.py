@@ -4,7 +4,9 @@
     python -m benchmarks.run single-vs-torch     # rows by name (or a family: 'foundation')
     python -m benchmarks.run --reps 5 --list
 
-Results go to benchmarks/results/<row>.json (and a line per row on stdout).
+Results go to ``--out DIR`` (default: a fresh temporary folder, printed), one ``<row>.json``
+each, and a line per row on stdout. ``--save`` writes them to benchmarks/results/ instead, over
+the committed figures; only do that from a quiet machine when you mean to update them.
 """
 from __future__ import annotations
 
@@ -86,12 +88,30 @@ def run_row(row: Row, reps: int) -> dict:
     return out
 
 
+def results_dir(args) -> str:
+    """Where this invocation writes: --save = the committed folder, else --out or a temp dir."""
+    if args.save and args.out:
+        raise SystemExit("error: --save and --out both given; fix: use one of them")
+    if args.save:
+        out = RESULTS
+    elif args.out:
+        out = args.out
+    else:
+        import tempfile
+        out = tempfile.mkdtemp(prefix="shardwise-bench-")
+    os.makedirs(out, exist_ok=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shardwise bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rows", nargs="*", help="row names or families (module names); default: all")
     ap.add_argument("--reps", type=int, default=3, help="alternating repetitions (default 3)")
     ap.add_argument("--list", action="store_true", help="list the rows and exit")
+    ap.add_argument("--out", default="", help="folder for the JSON results (default: a temp dir)")
+    ap.add_argument("--save", action="store_true",
+                    help="write to benchmarks/results/ (overwrites the committed figures)")
     args = ap.parse_args(argv)
     rows = all_rows()
     if args.list:
@@ -104,10 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown rows {unknown}; fix: see --list" if unknown else
               "error: --reps must be >= 1", file=sys.stderr)
         return 2
-    os.makedirs(RESULTS, exist_ok=True)
+    out_dir = results_dir(args)
+    print(f"results: {out_dir}", flush=True)
     for row in chosen:
         result = run_row(row, args.reps)
-        with open(os.path.join(RESULTS, f"{row.name}.json"), "w") as fh:
+        with open(os.path.join(out_dir, f"{row.name}.json"), "w") as fh:
             json.dump(result, fh, indent=2)
         ratio = result.get("throughput_ratio")
         print(f"{row.name}: ours {result['ours']['items_per_s']:,.0f}/s"

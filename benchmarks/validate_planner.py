@@ -16,6 +16,7 @@ Writes benchmarks/results/planner_validation.json and planner_validation.md.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import json
 import os
 import time
@@ -165,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.validate_planner")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", default="", help="comma-separated strategies (default: all here)")
+    ap.add_argument("--save", action="store_true",
+                    help="write to benchmarks/results/ (overwrites the committed figures); "
+                         "default: a temp dir, printed")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)           # calibrate with what each forked rank gets
     names = [n for n in (args.only.split(",") if args.only else CASES) if n in available()]
@@ -179,16 +183,18 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if "memory" not in k}), flush=True)
     load = os.getloadavg()
-    os.makedirs(RESULTS, exist_ok=True)
+    out_dir = RESULTS if args.save else tempfile.mkdtemp(prefix="shardwise-validate-")
+    os.makedirs(out_dir, exist_ok=True)
     doc = {"rows": rows, "load_average": load, "steps": args.steps,
            "calibration": {n: {"text": c.describe(), "hardware": c.hardware(n).to_dict()}
                            for n, c in hardware.items()}}
-    with open(os.path.join(RESULTS, "planner_validation.json"), "w") as fh:
+    with open(os.path.join(out_dir, "planner_validation.json"), "w") as fh:
         json.dump(doc, fh, indent=2, default=str)
     table = markdown(rows, hardware, load)
-    with open(os.path.join(RESULTS, "planner_validation.md"), "w") as fh:
+    with open(os.path.join(out_dir, "planner_validation.md"), "w") as fh:
         fh.write(table)
     print(table)
+    print(f"results: {out_dir}")
     return 0
 
 

@@ -14,9 +14,15 @@ from shardwise.config import Config, ConfigError, flag_of, from_dict, load_file,
 USAGE = """usage: shardwise COMMAND [options]
 
 commands:
-  train   train a model with a parallel strategy (default: a small GPT on the Python stdlib)
+  train   train a model with a parallel strategy ('shardwise train' alone: the default job,
+          a small GPT on the Python standard library's source, DDP on 2 processes)
   plan    rank parallel layouts for a model on a cluster with the cost model
-  bench   run a benchmark row against its PyTorch peer (see benchmarks/README.md)
+  bench   run benchmark rows against their PyTorch peers (from a source checkout;
+          see benchmarks/README.md)
+
+options:
+  --version   print shardwise's version and exit
+  --help      print this list and exit
 
 run 'shardwise COMMAND --help' for the options of each command."""
 
@@ -80,6 +86,7 @@ def cmd_train(argv: list[str]) -> int:
         world = launch.world_size(cfg)
         validate(cfg, world)
         _check_data_files(cfg)
+        _check_extras(cfg)
     except ConfigError as exc:
         return error(str(exc))
     if getattr(args, "print_config", False):
@@ -100,27 +107,100 @@ def cmd_train(argv: list[str]) -> int:
             return error(str(exc))
         cfg, argv = choice.config, [*argv, *choice.flags]
         world = launch.world_size(cfg)
-    if not cfg.logging.run_name:
-        # name the run once, here: every rank (and the schedule picture) must use the same folder
-        import time
-        from dataclasses import replace
-        name = f"{cfg.parallel.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
-        cfg = replace(cfg, logging=replace(cfg.logging, run_name=name))
-        argv = [*argv, "--run-name", name]
-    if world > 1 and not launch.under_launcher():
-        return launch.relaunch(world, ["train", *argv])
+    if launch.under_launcher():
+        return _train_rank(cfg)
+    from shardwise import rundir
+    try:   # name the run once, here: every rank (and the schedule picture) uses the same folder
+        cfg = rundir.name_run(cfg)
+        folder = rundir.create(cfg)
+    except ConfigError as exc:
+        return error(str(exc))
+    _warn_emulated(cfg)
+    if world > 1:
+        return launch.relaunch(world, ["train", *argv, "--run-name", cfg.logging.run_name], folder)
+    return _train_here(cfg, folder)
+
+
+def _train_here(cfg: Config, folder: str) -> int:
+    """A world of one, in this process: a stop prints one line and returns 128 + signal."""
+    from shardwise import stopping
     from shardwise.runtime import init_runtime, shutdown
     from shardwise.train import train
+    stopping.install_handlers()
     rt = init_runtime(cfg)
     try:
         train(cfg, rt)["engine"].close()
-    except BaseException:
-        # no barrier: the other ranks may be inside a collective this rank will never join;
-        # exiting lets torchrun stop them and report this rank's error
-        shutdown(rt, clean=False)
-        raise
+    except stopping.Stopped as exc:
+        print(stopping.stop_line(folder), file=sys.stderr, flush=True)
+        return stopping.exit_code(exc.signum)
     shutdown(rt)
     return 0
+
+
+def _train_rank(cfg: Config) -> int:
+    """One rank of a world a launcher started (ours, torchrun, SLURM). Never returns: the rank
+    leaves with os._exit so that the backend's teardown at interpreter exit (gloo in torch 2.13
+    aborts in about 1 of 8 worlds) cannot turn a finished run into a failure."""
+    import os
+    from shardwise import rundir, stopping
+    from shardwise.runtime import init_runtime, shutdown
+    from shardwise.train import train
+    request = stopping.install_handlers()
+    stopping.watch_parent()
+    ours = os.environ.get("SHARDWISE_RUN_DIR")   # set by our launcher: the folder is made
+    code, rt = 0, None
+    try:
+        rt = init_runtime(cfg)
+        if not ours:
+            cfg = _agree_on_run(cfg, rt)
+        train(cfg, rt)["engine"].close()
+        shutdown(rt)
+    except ConfigError as exc:
+        code = error(str(exc))
+    except BaseException as exc:
+        if request.signum is None and not isinstance(exc, stopping.Stopped):
+            raise   # a real error: let the traceback show; torchrun stops the others
+        signum = request.signum or exc.signum
+        if not ours and rt is not None and rt.is_main:
+            print(stopping.stop_line(rundir.path(cfg)), file=sys.stderr, flush=True)
+        code = stopping.exit_code(signum)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _agree_on_run(cfg: Config, rt) -> Config:
+    """Under someone else's launcher: rank 0 names and makes the run directory, all ranks use it."""
+    from shardwise import rundir
+    fixed = None
+    if rt.is_main:
+        try:
+            fixed = rundir.name_run(cfg)
+            rundir.create(fixed)
+            _warn_emulated(fixed)
+        except ConfigError as exc:
+            fixed = exc
+    fixed = rt.comm.all_gather_object(fixed, rt.mesh.world)[0]
+    if isinstance(fixed, ConfigError):
+        raise fixed
+    return fixed
+
+
+def _warn_emulated(cfg: Config) -> None:
+    """fp16 autocast on a CPU works but is emulated: say so once, before the run."""
+    import torch
+    on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+    if cfg.memory.mixed_precision == "fp16" and on_cpu:
+        print("warning: memory.mixed_precision = 'fp16' on a CPU is emulated and slow (and bf16 "
+              "needs no loss scaling); use --mixed-precision bf16 on CPUs", file=sys.stderr,
+              flush=True)
+
+
+def _check_extras(cfg: Config) -> None:
+    """Optional packages a setting needs, checked before any process starts."""
+    from shardwise.extras import require
+    if cfg.logging.tensorboard:
+        require("tensorboard", "tensorboard", "logging.tensorboard")
 
 
 def _check_data_files(cfg: Config) -> None:
@@ -146,15 +226,31 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
+    """benchmarks/ lives beside shardwise/ in a source checkout (an editable install finds it
+    from anywhere; a checkout's working directory works too); a wheel does not ship it."""
     import os
-    if os.getcwd() not in sys.path:   # benchmarks/ lives beside shardwise/ in a checkout
-        sys.path.insert(0, os.getcwd())
+    import shardwise
+    here = os.path.dirname(os.path.dirname(os.path.abspath(shardwise.__file__)))
+    for root in (here, os.getcwd()):
+        if os.path.isfile(os.path.join(root, "benchmarks", "run.py")) and root not in sys.path:
+            sys.path.insert(0, root)
+            break
     try:
         from benchmarks.run import main as bench_main
     except ImportError:
-        return error("'shardwise bench' runs from a source checkout (benchmarks/ beside shardwise/);"
-                     " fix: cd into the repository, or run 'python -m benchmarks.run'")
+        return error("'shardwise bench' needs a source checkout (benchmarks/ is not in the "
+                     "installed package); fix: git clone the repository, 'pip install -e .' "
+                     "there, and run 'shardwise bench' again")
     return bench_main(argv)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+    try:
+        return dist_version("shardwise")
+    except PackageNotFoundError:   # running from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 COMMANDS = {"train": cmd_train, "plan": cmd_plan, "bench": cmd_bench}
@@ -162,10 +258,11 @@ COMMANDS = {"train": cmd_train, "plan": cmd_plan, "bench": cmd_bench}
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        argv = ["train"]  # the embedded default job
-    if argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)          # bare 'shardwise' lists the commands; 'shardwise train' trains
+        return 0
+    if argv[0] in ("-V", "--version", "version"):
+        print(f"shardwise {version()}")
         return 0
     if argv[0] not in COMMANDS:
         return error(f"unknown command {argv[0]!r}; fix: use one of {', '.join(COMMANDS)}")

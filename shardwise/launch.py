@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 
+from shardwise import stopping
 from shardwise.config import Config
 from shardwise.validate import SINGLE_PROCESS
 
@@ -57,8 +60,15 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
             "--nproc-per-node", str(nproc), "-m", "shardwise.cli", *argv]
 
 
-def relaunch(nproc: int, argv: list[str], quiet: bool = False) -> int:
-    """Run ourselves under torchrun; return its exit code."""
+def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False) -> int:
+    """Run ourselves under torchrun; return its exit code (128 + N after a stop by signal N).
+
+    torchrun and the ranks run in a process group of their own, so a terminal's Ctrl-C reaches
+    only this launcher, which forwards it (as SIGTERM) to the whole group and, after
+    ``stopping.GRACE_SECONDS``, kills whatever is left. Their stderr passes through this process
+    live; once a stop has begun it goes to ``<run_dir>/launcher.log`` instead, so the person sees
+    one line, not every rank's goodbye. stdout is not touched (the progress bar keeps its terminal).
+    """
     cmd = torchrun_command(nproc, argv)
     if not quiet:
         shown = ["torchrun", *cmd[3:]]
@@ -66,4 +76,79 @@ def relaunch(nproc: int, argv: list[str], quiet: bool = False) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per rank: ranks share the cores
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return subprocess.call(cmd, env=env)
+    env["SHARDWISE_RUN_DIR"] = run_dir       # the ranks' run directory is prepared already
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=stopping.die_with_parent)
+    relay = _StderrRelay(proc.stderr, os.path.join(run_dir, "launcher.log"))
+    got: list[int] = []
+
+    def forward(signum, frame):
+        if not got:
+            got.append(signum)
+            relay.divert()
+            _signal_group(proc, signal.SIGTERM)
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=stopping.GRACE_SECONDS if got else None)
+                break
+            except subprocess.TimeoutExpired:      # the grace period is over: no survivors
+                _signal_group(proc, signal.SIGKILL)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if got:
+        _signal_group(proc, signal.SIGKILL)        # a rank that outlived torchrun
+        relay.join()
+        print(stopping.stop_line(run_dir), file=sys.stderr, flush=True)
+        return stopping.exit_code(got[0])
+    relay.join()
+    return rc
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _StderrRelay:
+    """Copy a child's stderr to ours as it comes; after ``divert()``, to a log file instead."""
+
+    def __init__(self, pipe, log_path: str):
+        self.pipe, self.log_path, self._log = pipe, log_path, None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def divert(self) -> None:
+        try:
+            self._log = open(self.log_path, "ab")
+        except OSError:
+            self._log = open(os.devnull, "wb")
+
+    def _run(self) -> None:
+        fd = self.pipe.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out = self._log
+            try:
+                if out is not None:
+                    out.write(chunk)
+                    out.flush()
+                else:
+                    sys.stderr.buffer.write(chunk)
+                    sys.stderr.buffer.flush()
+            except (OSError, ValueError):
+                pass
+
+    def join(self) -> None:
+        self._thread.join(timeout=5)
+        if self._log is not None:
+            self._log.close()

@@ -2,8 +2,10 @@
 
 Per step: learning rate from the schedule -> this process's shard of the global batch ->
 ``strategy.train_step`` -> metrics. Evaluation every ``eval_every`` steps and at the end.
-Rank 0 shows a progress bar, writes ``metrics.jsonl`` (every ``log_every`` steps and the last)
-and ``summary.json``, and prints the summary table. Per-rank figures (peak memory, bytes sent)
+Rank 0 shows a progress bar (or a log line every ``log_every`` steps when stdout is not a
+terminal), writes ``metrics.jsonl`` (the mean over each logging window; shardwise/runlog.py) and
+``summary.json``, and prints the summary table. SIGINT / SIGTERM stop the loop cleanly
+(shardwise/stopping.py). Per-rank figures (peak memory, bytes sent)
 are gathered to rank 0 with one small object collective per logged step (metered as 'objects',
 left out of the traffic figures).
 """
@@ -21,9 +23,12 @@ from shardwise.api import Engine, optimizer_factory, prepare
 from shardwise.config import Config, to_dict
 from shardwise.data import build_data
 from shardwise.memory.checkpointing import apply_activation_checkpointing
-from shardwise.metrics import JsonlWriter, device_peak_flops, peak_memory_bytes, print_summary
+from shardwise import rundir, stopping
+from shardwise.metrics import device_peak_flops, peak_memory_bytes, print_summary
 from shardwise.models import build_model, loss_for
+from shardwise.runlog import RunLog, Window, strict_tree
 from shardwise.runtime import Runtime, init_runtime
+from shardwise.stopping import Stopped
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -38,8 +43,7 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def run_dir(cfg: Config) -> str:
-    name = cfg.logging.run_name or f"{cfg.parallel.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return os.path.join(cfg.logging.out_dir, name)
+    return rundir.path(cfg)
 
 
 def evaluate(engine: Engine, data, cfg: Config) -> tuple[float, float | None]:
@@ -55,27 +59,6 @@ def evaluate(engine: Engine, data, cfg: Config) -> tuple[float, float | None]:
     return sum(losses) / len(losses), (sum(accs) / len(accs) if accs else None)
 
 
-class _Progress:
-    """A rich progress bar on rank 0 (nothing elsewhere, or when disabled)."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.bar = None
-        if enabled:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
-            self.task = self.bar.add_task("train", total=total, info="")
-            self.bar.start()
-
-    def update(self, info: str) -> None:
-        if self.bar:
-            self.bar.update(self.task, advance=1, info=info)
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.stop()
-
-
 def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -> dict:
     """Train ``cfg`` in the current world and return the summary (also written to summary.json)."""
     rt = runtime or init_runtime(cfg)
@@ -89,10 +72,11 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     items = cfg.train.batch_size * (cfg.model.block_size if data.kind == "tokens" else 1)
     out = run_dir(cfg)
     main = rt.is_main
-    writer = JsonlWriter(os.path.join(out, "metrics.jsonl") if main else None)
-    bar = _Progress(main and cfg.logging.progress and not quiet, cfg.train.steps)
+    unit = "tok" if data.kind == "tokens" else "samples"
+    log = RunLog(out, cfg.logging, cfg.train.steps, unit, main, quiet)
     peak = device_peak_flops(rt.device)
     losses, step_times, val, train_sent = [], [], (None, None), 0
+    window, done = Window(), 0
     start = time.perf_counter()
     try:
         for step in range(cfg.train.steps):
@@ -107,22 +91,29 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
             train_sent += sent
             losses.append(loss)
             step_times.append(dt)
+            window.add(loss, dt, sent)
+            done = step + 1
             last = step == cfg.train.steps - 1
-            if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or last:
+            evaluated = bool(cfg.train.eval_every and done % cfg.train.eval_every == 0) or last
+            if evaluated:
                 val = evaluate(engine, data, cfg)
-            if (step + 1) % cfg.logging.log_every == 0 or last:
-                record = _record(step, loss, lr, dt, items, flops_per_item, peak, val, rt, sent)
-                writer.write(record)
-            bar.update(f"loss {loss:.3f}" + (f" val {val[0]:.3f}" if val[0] is not None else ""))
+            if done % cfg.logging.log_every == 0 or last:
+                log.write(_record(step, window, lr, items, flops_per_item, peak,
+                                  val if evaluated else None, rt))
+                window.reset()
+            log.progress(loss, val[0])
+    except Stopped as exc:
+        if main:
+            stopping.write_marker(out, done, exc.signum)
+        raise
     finally:
-        bar.close()
-        writer.close()
+        log.close()
     summary = _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak,
                        time.perf_counter() - start, train_sent)
     if main:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "summary.json"), "w") as fh:
-            json.dump({**summary, "config": to_dict(cfg)}, fh, indent=2)
+            json.dump(strict_tree({**summary, "config": to_dict(cfg)}), fh, indent=2, allow_nan=False)
         if not quiet:
             print_summary(summary)
             print(f"metrics: {os.path.join(out, 'metrics.jsonl')}  summary: {os.path.join(out, 'summary.json')}")
@@ -134,17 +125,23 @@ def _per_rank(rt: Runtime, value) -> list:
     return rt.comm.all_gather_object(value, rt.mesh.world)
 
 
-def _record(step, loss, lr, dt, items, flops_per_item, peak, val, rt, sent) -> dict:
-    """One metrics.jsonl line; per-rank figures gathered from every rank."""
+def _record(step, window: Window, lr, items, flops_per_item, peak, val, rt) -> dict:
+    """One metrics record: the logging window's means; per-rank figures gathered from every rank.
+    ``val`` is (loss, accuracy) when evaluation ran at this step, else None (and left out)."""
     mems = _per_rank(rt, peak_memory_bytes(rt.device))
-    sents = _per_rank(rt, sent)
-    rate = items / dt
-    return {
-        "step": step + 1, "loss": loss, "lr": lr, "step_seconds": dt, "items_per_second": rate,
+    sents = _per_rank(rt, window.sent / window.steps)
+    rate = items * window.steps / window.seconds if window.seconds > 0 else float("nan")
+    record = {
+        "step": step + 1, "loss": window.mean_loss(), "window_steps": window.steps, "lr": lr,
+        "step_seconds": window.seconds / window.steps, "items_per_second": rate,
         "mfu": (rate * flops_per_item / (peak * rt.world_size)) if (peak and flops_per_item) else None,
-        "val_loss": val[0], "val_accuracy": val[1],
         "peak_memory_per_rank": mems, "bytes_sent_per_rank": sents,
     }
+    if val is not None:
+        record["val_loss"] = val[0]
+        if val[1] is not None:
+            record["val_accuracy"] = val[1]
+    return record
 
 
 def _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak, wall,

@@ -1,0 +1,63 @@
+"""The README's tour, run as a newcomer would: every command of its code block, in a shell, from
+an empty folder (with the repository's examples/ beside it), with fewer steps.
+
+A command passes when it exits 0 and prints no traceback. Training commands get
+``--steps 3 --eval-every 0 --eval-batches 1`` appended (later flags win) and write their runs to
+the temporary folder.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHORTEN = "--steps 3 --eval-every 0 --eval-batches 1"
+
+
+def tour_commands() -> list[str]:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("<!-- section:tour -->"):text.index("<!-- /section:tour -->")]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    commands = []
+    for line in block.splitlines():
+        command = line.split(" #", 1)[0].strip()
+        if command:
+            commands.append(command)
+    return commands
+
+
+def shortened(command: str, out_dir: str) -> str:
+    if not command.startswith("shardwise train") or "--help" in command:
+        return command
+    head, redirect = (command.split(" > ", 1) + [""])[:2]
+    head = f"{head} {SHORTEN} --out-dir {out_dir}"
+    return f"{head} > {redirect}" if redirect else head
+
+
+def test_the_tour_block_is_found():
+    commands = tour_commands()
+    assert commands[0] == "shardwise train" and len(commands) >= 8
+    assert all(c.startswith("shardwise") for c in commands)
+
+
+@pytest.mark.timeout(1200)
+def test_every_tour_command_runs(tmp_path):
+    os.symlink(os.path.join(ROOT, "examples"), tmp_path / "examples")
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.pop("RANK", None)
+    failures = []
+    for command in tour_commands():
+        run = shortened(command, str(tmp_path / "runs"))
+        done = subprocess.run(["bash", "-c", run], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+        output = done.stdout + done.stderr
+        if done.returncode != 0 or "Traceback" in output:
+            failures.append(f"$ {run}\nexit {done.returncode}\n{output[-3000:]}")
+    assert not failures, "\n\n".join(failures)
+    log = (tmp_path / "train.log").read_text()
+    assert re.search(r"^step 3/3 \| loss ", log, re.M), log   # log lines when not a terminal
