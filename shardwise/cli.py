@@ -80,11 +80,12 @@ def error(msg: str) -> int:
 
 def cmd_train(argv: list[str]) -> int:
     from shardwise import launch
-    from shardwise.validate import validate
+    from shardwise.validate import check_ignored, validate
     try:
         cfg, args = parse_config(argv)
         world = launch.world_size(cfg)
         validate(cfg, world)
+        check_ignored(cfg)
         _check_data_files(cfg)
         _check_extras(cfg)
     except ConfigError as exc:

@@ -6,9 +6,10 @@ so a bad layout never reaches a collective.
 """
 from __future__ import annotations
 
+import math
 import os
 
-from shardwise.config import Config, ConfigError, section_fields
+from shardwise.config import Config, ConfigError, MemoryConfig, ParallelConfig, section_fields
 
 # Strategies that run as one process (no torch.distributed world).
 SINGLE_PROCESS = ("single", "dp")
@@ -21,6 +22,61 @@ def _choices(cfg: Config) -> None:
         if choices and value not in choices:
             raise ConfigError(f"{sec}.{f.name}", value, "not a known choice",
                               f"choose one of {', '.join(choices)}")
+
+
+def _finite(cfg: Config) -> None:
+    """No float setting may be nan or infinite (``--weight-decay nan`` would train to NaN)."""
+    for sec, f in section_fields():
+        value = getattr(getattr(cfg, sec), f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{sec}.{f.name}", value, "not a finite number",
+                              f"give a number, e.g. {f.default}")
+
+
+# Settings that only some layouts read: (section, field) -> the strategies that use it. A value
+# other than the default under any other strategy would be silently ignored, so it is refused.
+_USED_BY = {
+    ("memory", "offload"): ("zero1", "zero2", "zero3"),
+    ("memory", "offload_dir"): ("zero1", "zero2", "zero3"),
+    ("parallel", "bucket_mb"): ("ddp", "zero1", "zero2"),
+    ("parallel", "overlap"): ("ddp", "zero1", "zero2", "zero3"),
+    ("parallel", "allreduce"): ("ddp", "zero1", "zero2", "zero3"),
+    ("parallel", "find_unused"): ("ddp",),
+    ("parallel", "grad_compression"): ("ddp",),
+    ("parallel", "replicas"): ("dp",),
+    ("parallel", "zero1_over_dp"): ("tp", "pp", "3d"),
+    ("parallel", "num_ps"): ("ps",),
+    ("parallel", "num_workers"): ("ps",),
+    ("parallel", "ps_mode"): ("ps",),
+    ("parallel", "staleness"): ("ps",),
+    ("parallel", "straggler"): ("ps",),
+    ("parallel", "on_worker_failure"): ("ps",),
+    ("parallel", "ps_timeout"): ("ps",),
+}
+_PIPELINE_ONLY = ("num_microbatches", "schedule", "stage_layers")
+
+
+def check_ignored(cfg: Config) -> None:
+    """Refuse a setting the chosen layout would not read (DESIGN.md: never silently dropped).
+
+    Run by ``shardwise train`` on what the person typed or wrote in a config file. (The library's
+    ``prepare()`` does not run it: reference runs in tests reuse one config across strategies.)"""
+    p = cfg.parallel
+    if p.strategy == "auto":
+        return            # the planner picks the layout; it checks again after choosing
+    defaults = {"parallel": ParallelConfig(), "memory": MemoryConfig()}
+    for (sec, name), users in _USED_BY.items():
+        value = getattr(getattr(cfg, sec), name)
+        if p.strategy not in users and value != getattr(defaults[sec], name):
+            raise ConfigError(f"{sec}.{name}", value, f"strategy {p.strategy} does not use it "
+                              f"(only {', '.join(users)} do)",
+                              f"drop --{name.replace('_', '-')}, or pick one of those strategies")
+    if p.pp == 1:
+        for name in _PIPELINE_ONLY:
+            value = getattr(p, name)
+            if value != getattr(defaults["parallel"], name):
+                raise ConfigError(f"parallel.{name}", value, "only a pipeline (pp > 1) uses it",
+                                  f"drop --{name.replace('_', '-')}, or set --pp 2 or more")
 
 
 def _positive(cfg: Config) -> None:
@@ -44,7 +100,8 @@ def _positive(cfg: Config) -> None:
                     "parallel.num_workers": cfg.parallel.num_workers,
                     "parallel.staleness": cfg.parallel.staleness,
                     "parallel.bucket_mb": cfg.parallel.bucket_mb,
-                    "train.weight_decay": cfg.train.weight_decay}
+                    "train.weight_decay": cfg.train.weight_decay,
+                    "train.grad_clip": cfg.train.grad_clip}
     for name, value in non_negative.items():
         if value < 0:
             raise ConfigError(name, value, "must not be negative", "give a number >= 0")
@@ -206,6 +263,7 @@ def _layout(cfg: Config, world_size: int) -> None:
 def validate(cfg: Config, world_size: int) -> Config:
     """Raise ConfigError on the first bad setting; return cfg unchanged when all is well."""
     _choices(cfg)
+    _finite(cfg)
     _positive(cfg)
     _model(cfg)
     _data(cfg)

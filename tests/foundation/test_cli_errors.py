@@ -31,6 +31,22 @@ BAD = [
     (["--out-dir", "/etc/hostname/runs"], "logging.out_dir = '/etc/hostname/runs'", "you can write to"),
     (["--strategy", "dp", "--batch-size", "10", "--grad-accum", "2"], "memory.grad_accum = 2",
      "multiple of shards x grad_accum"),
+    # settings the chosen layout would silently ignore
+    (["--strategy", "ddp", "--offload", "cpu"], "memory.offload = 'cpu'", "drop --offload"),
+    (["--strategy", "zero3", "--bucket-mb", "4"], "parallel.bucket_mb = 4.0", "drop --bucket-mb"),
+    (["--strategy", "pp", "--pp", "2", "--allreduce", "ring"], "parallel.allreduce = 'ring'",
+     "drop --allreduce"),
+    (["--strategy", "3d", "--dp", "1", "--pp", "2", "--no-overlap"], "parallel.overlap = False",
+     "drop --overlap"),
+    (["--strategy", "zero1", "--grad-compression", "bf16"], "parallel.grad_compression = 'bf16'",
+     "drop --grad-compression"),
+    (["--strategy", "ddp", "--ps-mode", "async"], "parallel.ps_mode = 'async'", "drop --ps-mode"),
+    (["--strategy", "ddp", "--num-microbatches", "8"], "parallel.num_microbatches = 8",
+     "--pp 2 or more"),
+    # non-finite numbers
+    (["--weight-decay", "nan"], "train.weight_decay = nan", "give a number"),
+    (["--lr", "inf"], "train.lr = inf", "give a number"),
+    (["--grad-clip", "-1"], "train.grad_clip = -1.0", "give a number >= 0"),
 ]
 
 
