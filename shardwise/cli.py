@@ -127,6 +127,7 @@ def _train_here(cfg: Config, folder: str) -> int:
     from shardwise import stopping
     from shardwise.runtime import init_runtime, shutdown
     from shardwise.train import train
+    from shardwise.train import NonFiniteLoss
     stopping.install_handlers()
     rt = init_runtime(cfg)
     try:
@@ -134,6 +135,9 @@ def _train_here(cfg: Config, folder: str) -> int:
     except stopping.Stopped as exc:
         print(stopping.stop_line(folder), file=sys.stderr, flush=True)
         return stopping.exit_code(exc.signum)
+    except NonFiniteLoss as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     shutdown(rt)
     return 0
 
@@ -145,7 +149,7 @@ def _train_rank(cfg: Config) -> int:
     import os
     from shardwise import rundir, stopping
     from shardwise.runtime import init_runtime, shutdown
-    from shardwise.train import train
+    from shardwise.train import NonFiniteLoss, train
     request = stopping.install_handlers()
     stopping.watch_parent()
     ours = os.environ.get("SHARDWISE_RUN_DIR")   # set by our launcher: the folder is made
@@ -158,6 +162,10 @@ def _train_rank(cfg: Config) -> int:
         shutdown(rt)
     except ConfigError as exc:
         code = error(str(exc))
+    except NonFiniteLoss as exc:
+        if rt is not None and rt.is_main:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        code = 1
     except BaseException as exc:
         if request.signum is None and not isinstance(exc, stopping.Stopped):
             raise   # a real error: let the traceback show; torchrun stops the others

@@ -79,6 +79,8 @@ class ParallelConfig:
                                 ("stop", "continue"))
     ps_timeout: float = _f(300.0, "parameter server: seconds without a worker's gradient before"
                            " that task is declared failed (workers wait twice as long for a ps)")
+    zero3_units: str = _f("", "ZeRO-3: module class names that form one unit each, comma-separated"
+                          " (e.g. 'GPT2Block'); empty = the largest repeated module class")
 
 
 @dataclass(frozen=True)
@@ -172,8 +174,9 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
             return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
         if kind is float:
             return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(name, value, f"not a{'n' if kind is int else ''} {kind.__name__}",
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(name, value, f"not a{'n' if kind is int else ''} {kind.__name__}"
+                          + (" of a usable size" if kind is int else ""),
                           f"give a number, e.g. {f.default}") from None
     return str(value)
 
@@ -182,7 +185,14 @@ def from_dict(data: dict, base: Config | None = None) -> Config:
     """Build a Config from nested ``{section: {field: value}}`` (unknown keys are errors)."""
     cfg = base or Config()
     known = {s: {f.name: f for _, f in section_fields() if _ == s} for s in SECTIONS}
+    if not isinstance(data, dict):
+        raise ConfigError("--config", type(data).__name__, "the file must hold a mapping of sections",
+                          "write [section] tables (TOML) or 'section:' mappings (YAML)")
     for sec, values in data.items():
+        if not isinstance(sec, str) or (isinstance(values, dict) and
+                                        not all(isinstance(k, str) for k in values)):
+            raise ConfigError("--config", sec, "section and field names must be text",
+                              "quote the key, e.g. 'steps: 50' under 'train:'")
         if sec not in known:
             raise ConfigError(sec, "...", "unknown section", f"use one of {', '.join(known)}")
         if not isinstance(values, dict):

@@ -31,6 +31,16 @@ from shardwise.runtime import Runtime, init_runtime
 from shardwise.stopping import Stopped
 
 
+class NonFiniteLoss(RuntimeError):
+    """The global batch's loss was nan or infinite: training cannot recover, so it stops."""
+
+    def __init__(self, step: int, loss: float, lr: float):
+        super().__init__(f"the training loss is {loss} at step {step} (lr {lr:g}); the metrics "
+                         "so far are kept; fix: lower --lr, set --grad-clip 1.0, or use bf16 "
+                         "instead of fp16")
+        self.step = step
+
+
 def lr_at(step: int, cfg: Config) -> float:
     """Linear warmup to train.lr, then cosine decay to 10% of it (or constant)."""
     t = cfg.train
@@ -93,6 +103,9 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
             step_times.append(dt)
             window.add(loss, dt, sent)
             done = step + 1
+            if not math.isfinite(loss):   # the same value on every rank: all stop here
+                log.write(_record(step, window, lr, items, flops_per_item, peak, None, rt))
+                raise NonFiniteLoss(done, loss, lr)
             last = step == cfg.train.steps - 1
             evaluated = bool(cfg.train.eval_every and done % cfg.train.eval_every == 0) or last
             if evaluated:

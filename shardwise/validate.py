@@ -121,6 +121,11 @@ def _model(cfg: Config) -> None:
     if m.name == "gpt" and m.n_head % cfg.parallel.tp:
         raise ConfigError("parallel.tp", cfg.parallel.tp, f"does not divide n_head={m.n_head}",
                           "pick a tp that divides the number of heads")
+    if m.name == "gpt" and cfg.data.dataset == "stdlib" and m.vocab_size < 256:
+        raise ConfigError("model.vocab_size", m.vocab_size, "the stdlib corpus is byte tokens "
+                          "(0-255)", "use --vocab-size 256 or more")
+    if not 0 <= cfg.train.seed < 2**32:
+        raise ConfigError("train.seed", cfg.train.seed, "out of range", "use 0 <= seed < 2**32")
     if m.name == "lenet" and cfg.data.dataset in ("stdlib", "synthetic"):
         raise ConfigError("data.dataset", cfg.data.dataset, "LeNet needs an image data set",
                           "use --dataset digits, mnist or fashion-mnist")
@@ -202,15 +207,18 @@ def _runtime_checks(cfg: Config, world_size: int) -> None:
             raise ConfigError("train.device", "cuda", "no CUDA device is visible",
                               "use --device cpu (or auto)")
     _check_writable(cfg.logging.out_dir)
+    png = cfg.logging.schedule_png
+    if png and png != "off":
+        _check_writable(os.path.dirname(os.path.abspath(png)), "logging.schedule_png", png)
 
 
-def _check_writable(path: str) -> None:
+def _check_writable(path: str, field: str = "logging.out_dir", shown: str | None = None) -> None:
     """out_dir, or the nearest folder above it that exists, must be writable."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
-        raise ConfigError("logging.out_dir", path, "cannot be written here",
+        raise ConfigError(field, shown or path, "cannot be written here",
                           "give a directory you can write to")
 
 

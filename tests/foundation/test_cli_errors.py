@@ -113,3 +113,42 @@ def test_real_process_exit_code_and_no_traceback():
     assert p.returncode == 2
     assert "Traceback" not in p.stderr and p.stderr.startswith("error: parallel.strategy")
     assert p.stdout == ""  # nothing was launched
+
+
+FUZZ = [  # configurations a fuzz of 250 random ones turned into tracebacks (issue 14)
+    (["--steps", "1e400"], "train.steps = '1e400'", "give a number"),
+    (["--seed", "-1"], "train.seed = -1", "0 <= seed < 2**32"),
+    (["--seed", "99999999999999999999"], "train.seed = 99999999999999999999", "0 <= seed"),
+    (["--vocab-size", "100"], "model.vocab_size = 100", "--vocab-size 256"),
+    (["--schedule-png", "/etc/hostname/x.png", "--strategy", "pp", "--pp", "2"],
+     "logging.schedule_png = '/etc/hostname/x.png'", "you can write to"),
+]
+
+
+@pytest.mark.parametrize("argv,names,fix", FUZZ)
+def test_fuzz_cases_are_one_clear_line(argv, names, fix, capsys):
+    test_bad_value_is_one_clear_line(argv, names, fix, capsys)
+
+
+@pytest.mark.parametrize("text,suffix", [("- 1\n- 2\n", ".yaml"), ("1: 2\n", ".yaml"),
+                                         ("train:\n  3: 4\n", ".yaml")])
+def test_config_files_that_are_not_mappings_of_names(tmp_path, text, suffix, capsys):
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(text)
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --config") and "fix:" in err, err
+
+
+def test_a_loss_that_turns_nan_stops_the_run_naming_the_step(tmp_path, capsys):
+    code = main(["train", "--strategy", "single", "--lr", "1e6", "--warmup-steps", "0",
+                 "--steps", "30", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+                 "--block-size", "16", "--batch-size", "4", "--eval-batches", "1",
+                 "--dataset", "synthetic", "--no-progress", "--out-dir", str(tmp_path),
+                 "--run-name", "nan"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert len(err) == 1 and err[0].startswith("error: the training loss is nan at step "), err
+    import json
+    lines = [json.loads(line) for line in open(tmp_path / "nan" / "metrics.jsonl")]
+    assert lines[-1]["loss"] is None and lines[-1]["nonfinite"] == ["loss"]
