@@ -1,24 +1,32 @@
 """One PNG of the parameter-server rows: loss curves and throughput of sync / async / ssp (s=2)
 with worker 1 at 3x step time, next to allreduce DP with the same straggler.
 
-    python -m benchmarks.run ps --reps 3 && python -m benchmarks.plot_ps
-writes benchmarks/results/ps_straggler.png from benchmarks/results/ps-*.json.
+    python -m benchmarks.run ps --reps 3 --out DIR && python -m benchmarks.plot_ps --results DIR
+draws ps_straggler.png from DIR/ps-*.json (default: the committed benchmarks/results/) into a
+temporary folder (printed), or over the committed picture with ``--save``.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import tempfile
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 MODES = [("sync", "ps-sync-straggler3x"), ("async", "ps-async-straggler3x"),
          ("ssp s=2", "ps-ssp2-straggler3x")]
 
 
-def main() -> str:
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.plot_ps")
+    ap.add_argument("--results", default=RESULTS, help="folder of the ps-*.json results")
+    ap.add_argument("--save", action="store_true", help="overwrite benchmarks/results/ps_straggler.png")
+    args = ap.parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = {label: json.load(open(os.path.join(RESULTS, f"{name}.json"))) for label, name in MODES}
+    rows = {label: json.load(open(os.path.join(args.results, f"{name}.json")))
+            for label, name in MODES}
     fig, (ax_loss, ax_rate) = plt.subplots(1, 2, figsize=(11, 4))
     names, rates = [], []
     for label, r in rows.items():
@@ -40,7 +48,8 @@ def main() -> str:
     for i, v in enumerate(rates):
         ax_rate.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
     fig.tight_layout()
-    out = os.path.join(RESULTS, "ps_straggler.png")
+    out = os.path.join(RESULTS if args.save else tempfile.mkdtemp(prefix="shardwise-plot-"),
+                       "ps_straggler.png")
     fig.savefig(out, dpi=100)
     return out
 
