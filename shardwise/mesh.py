@@ -1,6 +1,9 @@
-"""The device mesh: the world laid out as a (pp, dp, tp) grid, with one process group per axis.
+"""The device mesh: the world laid out as a grid of named axes, with one process group per axis.
 
-Rank layout (tp innermost, pp outermost, as in Megatron and torchtitan)::
+The axes are a name -> size mapping, outermost first; the default is (pp, dp, tp), and a later
+axis (context parallel, HSDP's dp_replicate / dp_shard) is one more entry, not a new constructor
+argument everywhere. Rank layout: row-major, the last axis innermost (tp innermost, pp
+outermost, as in Megatron and torchtitan)::
 
     global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
 
@@ -13,57 +16,112 @@ No global state: a Mesh is built once by the launcher and passed to whoever need
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import product
+from math import prod
 
 import torch.distributed as dist
 
 from shardwise.comm.collectives import Group
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "tp")   # the default order, outermost first
 
 
+def _check(sizes: Mapping[str, int]) -> None:
+    if not sizes or any(not isinstance(v, int) or v < 1 for v in sizes.values()):
+        raise ValueError(f"mesh axis sizes must be positive integers, got {dict(sizes)}")
+
+
+def coords_in(rank: int, sizes: Mapping[str, int]) -> dict[str, int]:
+    """Mesh coordinates of a global rank: row-major over the axes in order (last innermost)."""
+    out, stride = {}, 1
+    for name in reversed(list(sizes)):
+        out[name] = (rank // stride) % sizes[name]
+        stride *= sizes[name]
+    return {name: out[name] for name in sizes}
+
+
+def rank_in(coords: Mapping[str, int], sizes: Mapping[str, int]) -> int:
+    """The global rank at ``coords`` (every axis of ``sizes`` given)."""
+    rank = 0
+    for name in sizes:
+        rank = rank * sizes[name] + coords[name]
+    return rank
+
+
+def groups_along(axis: str, sizes: Mapping[str, int]) -> list[tuple[int, ...]]:
+    """All groups along ``axis``: each a tuple of global ranks, in a fixed order."""
+    others = [a for a in sizes if a != axis]
+    groups = []
+    for fixed in product(*(range(sizes[a]) for a in others)):
+        where = dict(zip(others, fixed))
+        groups.append(tuple(rank_in({**where, axis: i}, sizes) for i in range(sizes[axis])))
+    return groups
+
+
+# The (pp, dp, tp) forms, kept for callers that name the three classic axes.
 def coords_of(rank: int, dp: int, tp: int) -> tuple[int, int, int]:
     """(pp_rank, dp_rank, tp_rank) of a global rank."""
-    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+    c = coords_in(rank, {"pp": rank // (dp * tp) + 1, "dp": dp, "tp": tp})
+    return c["pp"], c["dp"], c["tp"]
 
 
 def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
     """The global rank at mesh coordinates (pp_rank, dp_rank, tp_rank)."""
-    return pp_rank * dp * tp + dp_rank * tp + tp_rank
+    return rank_in({"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}, {"pp": pp_rank + 1, "dp": dp, "tp": tp})
+
+
+def axis_members(axis: str, pp: int, dp: int, tp: int) -> list[tuple[int, ...]]:
+    return groups_along(axis, {"pp": pp, "dp": dp, "tp": tp})
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """This process's place in a pp x dp x tp grid, with a Group per axis and one for the world."""
-    pp: int
-    dp: int
-    tp: int
+    """This process's place in a grid of named axes, with a Group per axis and one for the world.
+
+    ``sizes`` maps axis name -> size, outermost first (default pp, dp, tp). An axis the mesh
+    does not have has size 1, coordinate 0 and the solo group, so code that asks for ``cp`` on a
+    mesh without one takes the size-1 path. ``pp`` / ``dp`` / ``tp`` (and ``*_rank``,
+    ``*_group``) are shorthands for the classic axes.
+    """
+    sizes: tuple[tuple[str, int], ...]
     rank: int
     world: Group
-    pp_group: Group
-    dp_group: Group
-    tp_group: Group
+    groups: tuple[tuple[str, Group], ...]
+
+    # -- any axis ---------------------------------------------------------------------------
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    def size(self, axis: str) -> int:
+        return self.shape.get(axis, 1)
+
+    def coord(self, axis: str) -> int:
+        return coords_in(self.rank, self.shape).get(axis, 0)
+
+    def group(self, axis: str) -> Group:
+        return dict(self.groups).get(axis) or Group.solo(self.rank)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return prod(self.shape.values())
+
+    # -- the classic axes ---------------------------------------------------------------------
+    pp = property(lambda self: self.size("pp"))
+    dp = property(lambda self: self.size("dp"))
+    tp = property(lambda self: self.size("tp"))
+    pp_rank = property(lambda self: self.coord("pp"))
+    dp_rank = property(lambda self: self.coord("dp"))
+    tp_rank = property(lambda self: self.coord("tp"))
+    pp_group = property(lambda self: self.group("pp"))
+    dp_group = property(lambda self: self.group("dp"))
+    tp_group = property(lambda self: self.group("tp"))
 
     @property
     def coords(self) -> tuple[int, int, int]:
-        return coords_of(self.rank, self.dp, self.tp)
-
-    @property
-    def pp_rank(self) -> int:
-        return self.coords[0]
-
-    @property
-    def dp_rank(self) -> int:
-        return self.coords[1]
-
-    @property
-    def tp_rank(self) -> int:
-        return self.coords[2]
+        return self.pp_rank, self.dp_rank, self.tp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -84,55 +142,48 @@ class Mesh:
         return None if self.is_last_stage else self.pp_rank + 1
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size} at (pp={self.pp_rank}, dp={self.dp_rank}, "
-                f"tp={self.tp_rank}) of mesh pp={self.pp} x dp={self.dp} x tp={self.tp}")
+        where = ", ".join(f"{a}={self.coord(a)}" for a in self.shape)
+        grid = " x ".join(f"{a}={n}" for a, n in self.sizes)
+        return f"rank {self.rank}/{self.world_size} at ({where}) of mesh {grid}"
 
     @staticmethod
     def solo() -> "Mesh":
-        """The 1 x 1 x 1 mesh of a single process: every axis is the solo group."""
-        g = Group.solo()
-        return Mesh(1, 1, 1, 0, g, g, g, g)
+        """The mesh of a single process: every axis is the solo group."""
+        return Mesh(tuple((a, 1) for a in AXES), 0, Group.solo(), ())
 
     @staticmethod
     def build(pp: int = 1, dp: int = 1, tp: int = 1) -> "Mesh":
-        """Build the mesh on the initialised default process group (world size = pp*dp*tp)."""
+        """The classic pp x dp x tp mesh (tp innermost) on the initialised process group."""
+        return Mesh.from_sizes({"pp": pp, "dp": dp, "tp": tp})
+
+    @staticmethod
+    def from_sizes(sizes: Mapping[str, int]) -> "Mesh":
+        """Build the mesh of named axes (outermost first) on the initialised default process
+        group; the product of the sizes must be the world size."""
+        _check(sizes)
+        sizes = dict(sizes)
+        total = prod(sizes.values())
         if not dist.is_initialized():
-            if pp * dp * tp != 1:
-                raise RuntimeError("Mesh.build: torch.distributed is not initialised")
-            return Mesh.solo()
+            if total != 1:
+                raise RuntimeError("Mesh.from_sizes: torch.distributed is not initialised")
+            return Mesh(tuple(sizes.items()), 0, Group.solo(), ())
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        if pp * dp * tp != world_size:
-            raise ValueError(f"mesh pp x dp x tp = {pp}x{dp}x{tp} != world size {world_size}")
+        if total != world_size:
+            grid = " x ".join(f"{a}={n}" for a, n in sizes.items())
+            raise ValueError(f"mesh {grid} = {total} != world size {world_size}")
         world = Group(dist.group.WORLD, tuple(range(world_size)), rank) if world_size > 1 \
             else Group.solo(rank)
-        groups = {}
-        for axis in AXES:
-            groups[axis] = _axis_group(axis, rank, pp, dp, tp)
-        return Mesh(pp, dp, tp, rank, world, groups["pp"], groups["dp"], groups["tp"])
+        groups = tuple((axis, _axis_group(axis, rank, sizes)) for axis in sizes)
+        return Mesh(tuple(sizes.items()), rank, world, groups)
 
 
-def axis_members(axis: str, pp: int, dp: int, tp: int) -> list[tuple[int, ...]]:
-    """All groups along ``axis``: each a tuple of global ranks, in a fixed order."""
-    sizes = {"pp": pp, "dp": dp, "tp": tp}
-    others = [a for a in AXES if a != axis]
-    groups = []
-    for fixed in product(*(range(sizes[a]) for a in others)):
-        where = dict(zip(others, fixed))
-        members = []
-        for i in range(sizes[axis]):
-            where[axis] = i
-            members.append(rank_of(where["pp"], where["dp"], where["tp"], dp, tp))
-        groups.append(tuple(members))
-    return groups
-
-
-def _axis_group(axis: str, rank: int, pp: int, dp: int, tp: int) -> Group:
-    """Create every group along ``axis`` (all ranks must) and return the one holding ``rank``."""
-    size = {"pp": pp, "dp": dp, "tp": tp}[axis]
-    if size == 1:
+def _axis_group(axis: str, rank: int, sizes: dict[str, int]) -> Group:
+    """Create every group along ``axis`` (all ranks must, in the same order) and return the one
+    holding ``rank``."""
+    if sizes[axis] == 1:
         return Group.solo(rank)
     mine = None
-    for members in axis_members(axis, pp, dp, tp):
+    for members in groups_along(axis, sizes):
         pg = dist.new_group(list(members))
         if rank in members:
             mine = Group(pg, members, members.index(rank))

@@ -77,3 +77,43 @@ def test_solo_group_short_circuits():
     comm.all_gather(out, t, Group.solo())
     assert float(t) == 3.0 and float(out) == 3.0
     assert comm.meter.snapshot() == {}
+
+
+def test_named_axes_in_any_order_lay_ranks_out_row_major():
+    """The mesh is a name -> size mapping; the order given is the layout (last innermost), so a
+    mesh built in another order puts different ranks together, and code that assumed the old
+    order would meet different groups."""
+    from shardwise.mesh import coords_in, groups_along, rank_in
+    classic = {"pp": 2, "dp": 2, "tp": 2}
+    swapped = {"tp": 2, "dp": 2, "pp": 2}             # pp innermost now
+    assert groups_along("tp", classic) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert groups_along("tp", swapped) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert groups_along("pp", swapped) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    four = {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "tp": 2}   # a later axis: one more entry
+    for r in range(16):
+        assert rank_in(coords_in(r, four), four) == r
+    assert coords_in(13, four) == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "tp": 1}
+    assert groups_along("dp_shard", four)[0] == (0, 2)
+
+
+def test_a_mesh_without_an_axis_answers_size_one():
+    mesh = Mesh.solo()
+    assert (mesh.size("cp"), mesh.coord("cp"), mesh.group("cp").size) == (1, 0, 1)
+    assert mesh.world_size == 1 and mesh.coords == (0, 0, 0)
+
+
+def _named_mesh(rank, n):
+    mesh = Mesh.from_sizes({"dp": 2, "tp": 2})        # no pp axis at all
+    comm = Comm()
+    t = torch.tensor([float(rank)])
+    comm.all_reduce(t, mesh.group("dp"))
+    return dict(dp=mesh.dp_rank, tp=mesh.tp_rank, pp=mesh.pp, dp_sum=float(t),
+                text=mesh.describe())
+
+
+def test_mesh_from_named_sizes_world4():
+    res = run_world(_named_mesh, 4)
+    for rank, r in enumerate(res):
+        assert (r["dp"], r["tp"], r["pp"]) == (rank // 2, rank % 2, 1)
+        assert r["dp_sum"] == float((rank % 2) + (rank % 2 + 2))
+    assert res[3]["text"] == "rank 3/4 at (dp=1, tp=1) of mesh dp=2 x tp=2"
