@@ -149,6 +149,7 @@ def _train_rank(cfg: Config) -> int:
     import os
     from shardwise import rundir, stopping
     from shardwise.runtime import init_runtime, shutdown
+    from shardwise.comm.collectives import CollectiveError
     from shardwise.train import NonFiniteLoss, train
     request = stopping.install_handlers()
     stopping.watch_parent()
@@ -166,6 +167,16 @@ def _train_rank(cfg: Config) -> int:
         if rt is not None and rt.is_main:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         code = 1
+    except CollectiveError as exc:
+        if request.signum is not None:      # a peer left because we are all stopping
+            code = stopping.exit_code(request.signum)
+        else:
+            where = f" at step {exc.step}" if exc.step else " before the first step"
+            print(f"error: rank {rt.rank if rt else '?'}: {exc.op}{where} failed ({exc}); another "
+                  f"rank stalled or died (timeout {cfg.train.collective_timeout:g} s); the run "
+                  "stops; fix: look at that rank's output above, or raise --collective-timeout "
+                  "if a step can take that long", file=sys.stderr, flush=True)
+            code = 1
     except BaseException as exc:
         if request.signum is None and not isinstance(exc, stopping.Stopped):
             raise   # a real error: let the traceback show; torchrun stops the others

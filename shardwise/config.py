@@ -109,6 +109,9 @@ class TrainConfig:
     grad_clip: float = _f(0.0, "clip gradients to this global L2 norm (over every shard and "
                           "parallel axis) before each step; 0 = off")
     device: str = _f("auto", "auto = cuda when present, else cpu", ("auto", "cpu", "cuda"))
+    collective_timeout: float = _f(300.0, "seconds a collective waits for the other ranks before "
+                                   "the run stops with an error naming the rank, operation and "
+                                   "step (a stalled or dead rank); gloo's own default is 30 min")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from shardwise import stopping
 from shardwise.config import Config
@@ -65,7 +66,9 @@ def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False) -> 
 
     torchrun and the ranks run in a process group of their own, so a terminal's Ctrl-C reaches
     only this launcher, which forwards it (as SIGTERM) to the whole group and, after
-    ``stopping.GRACE_SECONDS``, kills whatever is left. Their stderr passes through this process
+    ``stopping.GRACE_SECONDS``, kills torchrun (and so, by their parent-death signal, every
+    rank). The same happens after a rank ends the run with an ``error:`` line (a stalled peer,
+    a non-finite loss), so a stopped rank cannot keep the job alive. Their stderr passes through this process
     live; once a stop has begun it goes to ``<run_dir>/launcher.log`` instead, so the person sees
     one line, not every rank's goodbye. stdout is not touched (the progress bar keeps its terminal).
     """
@@ -88,23 +91,28 @@ def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False) -> 
             relay.divert()
             _signal_group(proc, signal.SIGTERM)
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    deadline = None
     try:
         while True:
             try:
-                rc = proc.wait(timeout=stopping.GRACE_SECONDS if got else None)
+                rc = proc.wait(timeout=0.25)
                 break
-            except subprocess.TimeoutExpired:      # the grace period is over: no survivors
-                _signal_group(proc, signal.SIGKILL)
+            except subprocess.TimeoutExpired:
+                # a stop, or a rank that ended the run with an error line: the rest get
+                # GRACE_SECONDS to leave, then torchrun is killed, and with it (parent-death
+                # signal) every rank, a stopped (SIGSTOP) one too
+                if deadline is None and (got or relay.error_seen):
+                    deadline = time.monotonic() + stopping.GRACE_SECONDS
+                if deadline is not None and time.monotonic() > deadline:
+                    _signal_group(proc, signal.SIGKILL)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    relay.join()
     if got:
-        _signal_group(proc, signal.SIGKILL)        # a rank that outlived torchrun
-        relay.join()
         print(stopping.stop_line(run_dir), file=sys.stderr, flush=True)
         return stopping.exit_code(got[0])
-    relay.join()
-    return rc
+    return rc if rc >= 0 else 1        # torchrun killed after a rank's error: the run failed
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -115,10 +123,16 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 class _StderrRelay:
-    """Copy a child's stderr to ours as it comes; after ``divert()``, to a log file instead."""
+    """Copy a child's stderr to ours as it comes; after ``divert()``, to a log file instead.
+
+    A rank that ends the run on purpose prints one ``error: ...`` line first (a stalled peer, a
+    non-finite loss): what follows it (torchrun's report on the failed worker, the other ranks'
+    goodbyes) is diverted too, so that line is the last thing the person reads. A traceback
+    (an unexpected crash) is not such a line and passes through whole."""
 
     def __init__(self, pipe, log_path: str):
         self.pipe, self.log_path, self._log = pipe, log_path, None
+        self.error_seen = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -145,6 +159,9 @@ class _StderrRelay:
                 else:
                     sys.stderr.buffer.write(chunk)
                     sys.stderr.buffer.flush()
+                    if (b"\n" + chunk).find(b"\nerror: ") >= 0:
+                        self.error_seen = True
+                        self.divert()
             except (OSError, ValueError):
                 pass
 

@@ -76,10 +76,13 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
+        # a stalled or dead rank fails the others' collectives after this long, not after
+        # gloo's default 30 minutes; the parameter server also waits a few ps timeouts, so
+        # that its own failure handling (docs/parameter-server.md) runs first
+        seconds = cfg.train.collective_timeout
         if cfg.parallel.strategy == "ps":
-            # a hung worker must not block the loop's world-wide collectives (metrics,
-            # evaluation) for gloo's default 30 minutes: fail them after a few ps timeouts
-            kwargs["timeout"] = timedelta(seconds=max(60.0, 4 * cfg.parallel.ps_timeout))
+            seconds = max(seconds, 60.0, 4 * cfg.parallel.ps_timeout)
+        kwargs["timeout"] = timedelta(seconds=seconds)
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
     elif dist.is_initialized():
         backend = dist.get_backend()

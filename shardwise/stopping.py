@@ -13,8 +13,9 @@ may be inside a collective this rank will never join). Rank 0 leaves ``stopped.j
 directory with the step it reached, which the launcher reads for its line.
 
 If the launcher itself is killed with SIGKILL (no handler can run), the kernel tells its children:
-torchrun and each rank ask for SIGTERM when their parent dies (Linux ``PR_SET_PDEATHSIG``), so no
-rank is left training with nobody to report to.
+torchrun asks for SIGTERM when the launcher dies (and stops its ranks as usual), each rank asks
+for SIGKILL when torchrun dies (Linux ``PR_SET_PDEATHSIG``), so no rank is left training with
+nobody to report to.
 """
 from __future__ import annotations
 
@@ -76,9 +77,14 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 def watch_parent() -> None:
-    """In a rank: die with the launcher (torchrun's agent); leave now if it is already gone."""
+    """In a rank: die with the launcher (torchrun's agent); leave now if it is already gone.
+
+    SIGKILL, not SIGTERM: a live torchrun stops its ranks with SIGTERM itself and waits for
+    them, so this fires only when the agent died abruptly (killed by our launcher after its
+    grace period), and it must also end a rank that is stopped (SIGSTOP), which no other signal
+    reaches."""
     parent = os.getppid()
-    die_with_parent()
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:           # the parent died before the request took effect
         os._exit(143)
 

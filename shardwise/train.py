@@ -20,6 +20,7 @@ import time
 import torch
 
 from shardwise.api import Engine, optimizer_factory, prepare
+from shardwise.comm.collectives import CollectiveError
 from shardwise.config import Config, to_dict
 from shardwise.data import build_data
 from shardwise.memory.checkpointing import apply_activation_checkpointing
@@ -118,6 +119,9 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     except Stopped as exc:
         if main:
             stopping.write_marker(out, done, exc.signum)
+        raise
+    except CollectiveError as exc:
+        exc.step = done + 1           # the step this rank was in when its peers went missing
         raise
     finally:
         log.close()

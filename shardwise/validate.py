@@ -105,6 +105,9 @@ def _positive(cfg: Config) -> None:
     for name, value in non_negative.items():
         if value < 0:
             raise ConfigError(name, value, "must not be negative", "give a number >= 0")
+    if not cfg.train.collective_timeout > 0:
+        raise ConfigError("train.collective_timeout", cfg.train.collective_timeout,
+                          "must be positive", "give seconds, e.g. 300")
     if not cfg.train.lr > 0:
         raise ConfigError("train.lr", cfg.train.lr, "must be positive", "try 3e-3")
     if not 0.0 <= cfg.model.dropout < 1.0:

@@ -95,6 +95,21 @@ class CommMeter:
         self.ops.clear()
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, or none answered within the process group's timeout
+    (``train.collective_timeout``). ``op`` is the metered name of the operation; the training
+    loop adds ``step``."""
+
+    def __init__(self, op: str, cause: BaseException):
+        lines = str(cause).strip().splitlines() or [type(cause).__name__]
+        super().__init__(f"{op}: {lines[0][:300]}")
+        self.op, self.step = op, None
+
+
+def _failed(op: str, exc: RuntimeError) -> CollectiveError:
+    return exc if isinstance(exc, CollectiveError) else CollectiveError(op, exc)
+
+
 class Work:
     """A launched collective; ``wait()`` blocks until it is done and meters the blocked time."""
 
@@ -104,7 +119,10 @@ class Work:
     def wait(self) -> None:
         if self._work is not None:
             t0 = time.perf_counter()
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                raise _failed(self._op, exc) from exc
             if self._meter is not None:
                 self._meter.add_time(self._op, time.perf_counter() - t0)
             self._work = None
@@ -142,7 +160,10 @@ class Comm:
     def _run(self, op, fn, sent, recv, async_op, after=None, name=None) -> Work:
         """Call ``fn`` (the backend call), meter it, and hand back a Work (DONE when blocking)."""
         t0 = time.perf_counter()
-        result = fn()
+        try:
+            result = fn()
+        except RuntimeError as exc:
+            raise _failed(name or op, exc) from exc
         self.meter.record(name or op, sent, recv, time.perf_counter() - t0)
         if async_op:
             return Work(result, self.meter, name or op, after)
