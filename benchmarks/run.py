@@ -55,7 +55,17 @@ def machine() -> dict:
             "cpus": os.cpu_count(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _commit()}
+
+
+def _commit() -> str | None:
+    import subprocess
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+        return done.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _median(runs: list[dict], key: str):
@@ -134,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row.name}: ours {result['ours']['items_per_s']:,.0f}/s"
               + (f", {row.peer_name} {result['peer_result']['items_per_s']:,.0f}/s, ratio {ratio:.3f}"
                  if ratio else "") + (f" (goal: {row.goal})" if row.goal else ""), flush=True)
+    from benchmarks.report import write_report
+    print(f"report: {write_report(out_dir)}")
     return 0
 
 
