@@ -6,7 +6,8 @@
     x, y = engine.shard(x_global, y_global)      # this rank's rows of the global batch
     loss = engine.loss_fn(engine(x), y)
     engine.backward(loss)
-    engine.step()
+    engine.clip_grad_norm_(1.0)                  # optional: the global norm, every shard counted
+    engine.step()                                # also zeroes the gradients
 
 or, equivalently (and the only form pipeline parallelism supports, since no single rank runs
 the whole forward), ``loss = engine.train_step(x, y)``. Run the script with torchrun; without a
@@ -82,6 +83,12 @@ class Engine:
     def step(self) -> None:
         self.strategy.step()
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to a global L2 norm of ``max_norm`` (after they are reduced, over
+        every shard and parallel axis); returns the norm before clipping, as
+        torch.nn.utils.clip_grad_norm_ does. Call it between backward and step, on every rank."""
+        return self.strategy.clip_grad_norm_(max_norm)
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.strategy.no_sync()
 
@@ -109,8 +116,11 @@ def prepare(model: nn.Module, optimizer_factory: OptimizerFactory, config: Confi
             *, loss_fn: LossFn | None = None, runtime: Runtime | None = None) -> Engine:
     """Wrap ``model`` for ``config.parallel.strategy`` in the launcher's world; build the optimizer.
 
-    optimizer_factory: called with the list of parameters this rank optimises (a shard of a flat
-    buffer under ZeRO), returns a torch.optim.Optimizer.
+    optimizer_factory: called with the list of the model's trainable parameters (requires_grad;
+    frozen ones are never given to an optimizer, so weight decay cannot move them) and returns a
+    torch.optim.Optimizer, which may have several parameter groups (per-group lr, weight decay).
+    Strategies that optimise flat buffers or shards call it once on the original parameters to
+    learn each one's group, then build the same optimizer type over one flat per group.
     loss_fn: (output, target) -> scalar mean loss; default cross-entropy.
     """
     cfg = config or Config()

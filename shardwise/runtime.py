@@ -60,6 +60,15 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def collective_seconds(cfg: Config) -> float:
+    """How long a collective may wait for the other ranks: train.collective_timeout, and for
+    the parameter server at least a few ps timeouts, so its own failure handling runs first."""
+    seconds = cfg.train.collective_timeout
+    if cfg.parallel.strategy == "ps":
+        seconds = max(seconds, 60.0, 4 * cfg.parallel.ps_timeout)
+    return seconds
+
+
 def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) -> Runtime:
     """Join the launcher's world (if any) and build the (pp, dp, tp) mesh for ``cfg``.
 
@@ -79,10 +88,7 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
         # a stalled or dead rank fails the others' collectives after this long, not after
         # gloo's default 30 minutes; the parameter server also waits a few ps timeouts, so
         # that its own failure handling (docs/parameter-server.md) runs first
-        seconds = cfg.train.collective_timeout
-        if cfg.parallel.strategy == "ps":
-            seconds = max(seconds, 60.0, 4 * cfg.parallel.ps_timeout)
-        kwargs["timeout"] = timedelta(seconds=seconds)
+        kwargs["timeout"] = timedelta(seconds=collective_seconds(cfg))
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
     elif dist.is_initialized():
         backend = dist.get_backend()
@@ -91,7 +97,8 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
         p = cfg.parallel
         mesh_sizes = (1, world_size, 1) if p.strategy == "ps" else (p.pp, resolve_dp(cfg, world_size), p.tp)
     mesh = Mesh.build(*mesh_sizes)
-    return Runtime(mesh=mesh, comm=Comm(CommMeter()), device=device, backend=backend,
+    timeout = timedelta(seconds=collective_seconds(cfg)) if world_size > 1 else None
+    return Runtime(mesh=mesh, comm=Comm(CommMeter(), timeout=timeout), device=device, backend=backend,
                    local_rank=local_rank)
 
 

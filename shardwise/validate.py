@@ -42,6 +42,7 @@ _USED_BY = {
     ("parallel", "overlap"): ("ddp", "zero1", "zero2", "zero3"),
     ("parallel", "allreduce"): ("ddp", "zero1", "zero2", "zero3"),
     ("parallel", "find_unused"): ("ddp",),
+    ("parallel", "zero3_units"): ("zero3",),
     ("parallel", "grad_compression"): ("ddp",),
     ("parallel", "replicas"): ("dp",),
     ("parallel", "zero1_over_dp"): ("tp", "pp", "3d"),

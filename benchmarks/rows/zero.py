@@ -1,5 +1,7 @@
 """ZeRO rows: stages 1-3 against PyTorch's own sharding (FSDP2 ``fully_shard`` per block then
-the root; ``ZeroRedundancyOptimizer`` under torch DDP), and disk offload against none.
+the root; ``ZeroRedundancyOptimizer`` under torch DDP), disk offload against none, and peak
+memory at 57M parameters (the ``*-memory-57m-*`` rows; benchmarks/memory.py has the method and
+the six-way table).
 
 Ours report ``peak_mem`` = the ledger's bytes held (parameters, gradients, optimizer states,
 masters, communication buffers, saved activations; not what sits on disk); the runner adds every
@@ -84,6 +86,31 @@ def torch_zero_redundancy(rank, world, **parallel):
     return {"items_per_s": b * cfg.model.block_size / timed_steps(step, STEPS - 2)}
 
 
+def _memory_side(kind: str, rank: int, world: int, **args) -> dict:
+    """A side of benchmarks/memory.py (57M-parameter GPT, malloc returning freed memory)."""
+    from benchmarks.memory import ledger_total, side
+    out = side(rank, world, kind, **args)
+    out["peak_mem"] = ledger_total(out["ledger"])
+    out["extra"] = {"baseline_rss": out["baseline"], "ledger": out["ledger"]}
+    return out
+
+
+def zero3_memory(rank, world, **args):
+    return _memory_side("zero3", rank, world, **args)
+
+
+def zero2_memory(rank, world, **args):
+    return _memory_side("zero2", rank, world, **args)
+
+
+def fsdp2_memory(rank, world, **args):
+    return _memory_side("fsdp2", rank, world, **args)
+
+
+def torch_ddp_memory(rank, world, **args):
+    return _memory_side("torch-ddp", rank, world, **args)
+
+
 FSDP2 = "torch FSDP2 (fully_shard per block, then root)"
 GOAL = "throughput >= 1.0x FSDP2, peak memory <= 1.05x FSDP2"
 ROWS = [
@@ -94,6 +121,11 @@ ROWS = [
     Row("zero3-ring-vs-fsdp2", zero3, fsdp2, world=2, args={"allreduce": "ring"}, goal=GOAL,
         peer_name=FSDP2),
     Row("zero3-vs-fsdp2-w4", zero3, fsdp2, world=4, args={}, goal=GOAL, peer_name=FSDP2),
+    # memory at 57M parameters (the whole six-way table: python -m benchmarks.memory)
+    Row("zero3-memory-57m-vs-fsdp2", zero3_memory, fsdp2_memory, world=2,
+        args={"steps": 4, "batch": 4}, goal="peak RSS <= 1.05x FSDP2", peer_name=FSDP2),
+    Row("zero2-memory-57m-vs-torch-ddp", zero2_memory, torch_ddp_memory, world=2,
+        args={"steps": 4, "batch": 4}, goal="peak RSS < torch DDP's", peer_name="torch DDP"),
     Row("zero3-offload-disk-vs-none", zero3_big, zero3_big_no_offload, world=2,
         args={"offload": "disk"}, goal="peak memory drops (ratio < 1), throughput cost stated",
         peer_name="shardwise ZeRO-3 without offload"),

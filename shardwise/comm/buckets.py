@@ -4,12 +4,21 @@ Parameters are grouped into buckets of about ``bucket_bytes`` in REVERSE order o
 backward produces the last layers' gradients first, so the first bucket fills first and its
 reduction can start while backward is still computing earlier layers (overlap). Each trainable
 parameter's ``.grad`` is set to a view into its bucket's flat buffer, so autograd accumulates
-into the buffer in place and the reduction needs no copy. (Consequence: gradients must be zeroed
-with :meth:`GradBuckets.zero`, never set to None.)
+into the buffer in place and the reduction needs no copy. Gradients are zeroed in place with
+:meth:`GradBuckets.zero`; a ``.grad`` that was set to None or replaced anyway (a user's
+``optimizer.zero_grad()`` or ``model.zero_grad()``, both set_to_none by default) is put back:
+the hook copies a freshly allocated gradient into its view and re-attaches the view before the
+bucket counts it, and :meth:`GradBuckets.reattach` zeroes the view of a gradient that is None.
+So the buckets always hold every gradient, whatever the loop did to ``.grad``.
 
 A post-accumulate-grad hook counts, per bucket, the parameters whose gradient is complete in this
 backward; when the count reaches the bucket's size the bucket is *ready* and ``on_ready`` is
-called with it (DDP launches the bucket's allreduce there).
+called with it (DDP launches the bucket's allreduce there). The same hook marks the parameter
+*used* until :meth:`GradBuckets.clear_used` (DDP's find_unused learns from it which parameters
+got no gradient on any rank).
+
+:class:`FlatBroadcast` copies a list of tensors into one reused flat buffer per dtype, broadcasts
+each flat and copies back: a model's buffers (BatchNorm statistics) in one call per dtype.
 """
 from __future__ import annotations
 
@@ -58,27 +67,63 @@ class GradBuckets:
         self.buckets: list[Bucket] = []
         self.on_ready = on_ready
         self._handles = []
+        self.params = [p for _, p in named_params]        # registration order
+        self.names = [n for n, _ in named_params]
+        self.views: list[torch.Tensor] = [None] * len(self.params)   # index -> its .grad view
+        self.used = [False] * len(self.params)            # got a gradient since clear_used()
         for b, indices in enumerate(plan_buckets(sizes, bucket_bytes)):
             params = [named_params[i][1] for i in indices]
             names = [named_params[i][0] for i in indices]
             dtype, device = params[0].dtype, params[0].device
             buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
             offset = 0
-            for p in params:
-                p.grad = buffer[offset: offset + p.numel()].view_as(p)
+            for i, p in zip(indices, params):
+                self.views[i] = p.grad = buffer[offset: offset + p.numel()].view_as(p)
                 offset += p.numel()
             bucket = Bucket(b, params, names, buffer)
             self.buckets.append(bucket)
-            for p in params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket)))
+            for i in indices:
+                self._handles.append(self.params[i].register_post_accumulate_grad_hook(
+                    self._hook(bucket, i)))
         self.reset()
 
-    def _hook(self, bucket: Bucket):
-        def hook(_param):
+    def _hook(self, bucket: Bucket, i: int):
+        view = self.views[i]
+
+        def hook(param):
+            if param.grad is not view:  # .grad was set to None (or replaced) since the last zero
+                with torch.no_grad():
+                    view.copy_(param.grad)
+                param.grad = view
+            self.used[i] = True
             bucket.pending -= 1
             if bucket.pending == 0:
                 self.on_ready(bucket)
         return hook
+
+    @torch.no_grad()
+    def reattach(self) -> None:
+        """Put every parameter's ``.grad`` back on its view: a None gradient becomes a zero view
+        (it got no gradient since it was cleared), a replaced one is copied in."""
+        for p, view in zip(self.params, self.views):
+            g = p.grad
+            if g is view:
+                continue
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g)
+            p.grad = view
+
+    def detach_unused(self, used: list[bool]) -> None:
+        """Set ``.grad`` to None for parameters not ``used`` (an optimizer then skips them, as
+        torch.optim skips a gradient that is None); :meth:`reattach` undoes it."""
+        for p, u in zip(self.params, used):
+            if not u:
+                p.grad = None
+
+    def clear_used(self) -> None:
+        self.used = [False] * len(self.params)
 
     def reset(self) -> None:
         """Start counting a new backward pass."""
@@ -101,3 +146,33 @@ class GradBuckets:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+class FlatBroadcast:
+    """Broadcast a fixed list of tensors as one flat buffer per dtype (buffers reused)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            self.groups.setdefault(t.dtype, []).append(t)
+        self.flats = {dt: torch.empty(sum(t.numel() for t in ts), dtype=dt, device=ts[0].device)
+                      for dt, ts in self.groups.items()}
+
+    @torch.no_grad()
+    def run(self, comm, src: int, group, name: str) -> None:
+        """Every member's tensors take member ``src``'s values (nothing when the group is 1)."""
+        if group.size == 1:
+            return
+        for dt, ts in self.groups.items():
+            flat = self.flats[dt]
+            if group.rank == src:
+                torch.cat([t.reshape(-1) for t in ts], out=flat)
+            comm.broadcast(flat, src, group, name=name)
+            if group.rank != src:
+                offset = 0
+                for t in ts:
+                    t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.flats.values())

@@ -106,22 +106,27 @@ class CollectiveError(RuntimeError):
         self.op, self.step = op, None
 
 
-def _failed(op: str, exc: RuntimeError) -> CollectiveError:
+def _failed(op: str, exc: BaseException) -> CollectiveError:
     return exc if isinstance(exc, CollectiveError) else CollectiveError(op, exc)
 
 
 class Work:
     """A launched collective; ``wait()`` blocks until it is done and meters the blocked time."""
 
-    def __init__(self, work, meter: CommMeter | None, op: str, after=None):
+    def __init__(self, work, meter: CommMeter | None, op: str, after=None, timeout=None):
         self._work, self._meter, self._op, self._after = work, meter, op, after
+        self._timeout = timeout   # timedelta: an async wait gives up after it (gloo's own
+                                  # process-group timeout does not bound an async wait)
 
     def wait(self) -> None:
         if self._work is not None:
             t0 = time.perf_counter()
             try:
-                self._work.wait()
-            except RuntimeError as exc:
+                if self._timeout is not None:
+                    self._work.wait(self._timeout)
+                else:
+                    self._work.wait()
+            except (RuntimeError, TimeoutError) as exc:
                 raise _failed(self._op, exc) from exc
             if self._meter is not None:
                 self._meter.add_time(self._op, time.perf_counter() - t0)
@@ -141,8 +146,11 @@ def _nbytes(t: torch.Tensor) -> int:
 class Comm:
     """Collectives over explicit groups, all metered into one CommMeter (one per rank)."""
 
-    def __init__(self, meter: CommMeter | None = None):
+    def __init__(self, meter: CommMeter | None = None, timeout=None):
+        """timeout: a datetime.timedelta after which waiting for an async collective fails
+        with CollectiveError (None: wait as the backend does)."""
         self.meter = meter if meter is not None else CommMeter()
+        self.timeout = timeout
         self._scratch: dict = {}
 
     def scratch(self, key: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -166,7 +174,7 @@ class Comm:
             raise _failed(name or op, exc) from exc
         self.meter.record(name or op, sent, recv, time.perf_counter() - t0)
         if async_op:
-            return Work(result, self.meter, name or op, after)
+            return Work(result, self.meter, name or op, after, self.timeout)
         if after is not None:
             after()
         return DONE

@@ -111,3 +111,25 @@ def alloc_storage(t: torch.Tensor) -> None:
 def storage_bytes(t: torch.Tensor | None) -> int:
     """Bytes a tensor's storage holds right now (0 when released)."""
     return 0 if t is None else t.untyped_storage().size()
+
+
+def shard_runs(layout: FlatLayout, keys: list, rank: int) -> list[tuple[object, int, int]]:
+    """(key, lo, hi) for each run of consecutive tensors sharing a key (e.g. an optimizer
+    parameter group), cut to rank's shard: [lo, hi) relative to the shard's start. Runs that
+    miss the shard are left out; the padding belongs to the last run. Sort the tensors by key
+    before building the layout and each key has one run."""
+    start, end = layout.shard_range(rank)
+    runs: list[list] = []
+    for key, offset, shape in zip(keys, layout.offsets, layout.shapes):
+        if runs and runs[-1][0] == key:
+            runs[-1][2] = offset + shape.numel()
+        else:
+            runs.append([key, offset, offset + shape.numel()])
+    if runs:
+        runs[-1][2] = layout.padded
+    out = []
+    for key, lo, hi in runs:
+        lo, hi = max(lo, start), min(hi, end)
+        if hi > lo:
+            out.append((key, lo - start, hi - start))
+    return out

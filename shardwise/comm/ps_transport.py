@@ -28,7 +28,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from shardwise.comm.collectives import Comm
+from shardwise.comm.collectives import Comm, Group
 
 HEADER = 3
 
@@ -76,7 +76,7 @@ class LinkLost(RuntimeError):
 class Links:
     """The (ps j, worker w) push and pull groups; every rank builds all of them, in one order."""
 
-    def __init__(self, num_ps: int, num_workers: int, rank: int):
+    def __init__(self, num_ps: int, num_workers: int, rank: int, servers_group: bool = False):
         self.num_ps, self.num_workers, self.rank = num_ps, num_workers, rank
         self.push, self.pull = {}, {}
         for j in range(num_ps):
@@ -86,6 +86,14 @@ class Links:
                     pg = dist.new_group(members)  # collective over the world: all ranks call it
                     if rank in members:
                         table[(j, w)] = pg
+        # the ps tasks among themselves (global gradient norm); None on workers
+        self.servers = None
+        if servers_group and num_ps > 1:
+            pg = dist.new_group(list(range(num_ps)))
+            if rank < num_ps:
+                self.servers = Group(pg, tuple(range(num_ps)), rank)
+        elif servers_group and rank == 0:
+            self.servers = Group.solo(0)
 
     def peer(self, j: int, w: int) -> int:
         """Global rank at the other end of link (j, w) from this rank."""

@@ -129,8 +129,8 @@ class _FutureWork:
     def __init__(self, future: cf.Future):
         self.future = future
 
-    def wait(self) -> None:
-        self.future.result()
+    def wait(self, timeout=None) -> None:
+        self.future.result(timeout.total_seconds() if timeout is not None else None)
 
 
 class RingRunner:
@@ -158,7 +158,8 @@ class RingRunner:
         return self._submit(name, ring_all_gather, self.comm, out, inp, group, name)
 
     def _submit(self, name: str, fn, *args) -> Work:
-        return Work(_FutureWork(self.pool.submit(fn, *args)), self.comm.meter, name)
+        return Work(_FutureWork(self.pool.submit(fn, *args)), self.comm.meter, name,
+                    timeout=self.comm.timeout)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

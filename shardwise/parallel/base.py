@@ -9,6 +9,10 @@ all through these methods:
     forward(x) -> output             the (possibly wrapped) model's forward
     backward(loss)                   backward, with whatever gradient traffic the strategy needs
     step()                           finish gradient traffic, optimizer step, zero the gradients
+    clip_grad_norm_(max_norm)        finish gradient traffic, scale every gradient so that the
+                                     whole model's gradient has L2 norm <= max_norm; returns the
+                                     norm before clipping (= torch.nn.utils.clip_grad_norm_ on
+                                     the single-process model)
     train_step(x, y) -> float        one optimizer step on this process's shard of a global batch;
                                      returns the global batch's mean loss, the same on every rank
     evaluate(x, y) -> (loss, acc)    global mean loss (and accuracy for classifiers), no update
@@ -17,6 +21,25 @@ all through these methods:
     memory_ledger() -> dict          bytes this rank holds, by category
 
 The base class is the plain single-process behaviour, so a subclass overrides only what differs.
+
+Model outputs: ``forward`` returns whatever the model returns (a tensor, a dict, a Hugging Face
+ModelOutput, a tuple). A plain tensor is cast to fp32 before the loss (mixed precision computes
+the loss in fp32); any other structure goes to ``loss_fn`` unchanged: the loss function is the
+user's and knows the structure (e.g. ``lambda out, y: F.cross_entropy(out.logits.flatten(0, 1),
+y.flatten())``).
+
+Gradient clipping (``clip_grad_norm_``, and ``train.grad_clip`` > 0 in ``train_step``) is built
+from four hooks a strategy overrides where its gradients are reduced or sharded:
+
+    _finish_grad_sync()     wait for every gradient reduction, so the gradients are final and
+                            averaged; idempotent until step(), which then does not re-wait
+    _local_grad_sq()        fp32 scalar: the sum of squares of the gradient entries this rank
+                            owns, each entry of the whole model counted exactly once over the
+                            ranks _sum_grad_sq sums over
+    _sum_grad_sq(sq)        all-reduce (sum) over the groups that shard gradients; here: identity
+    _scale_grads(coef)      multiply every gradient this rank will step with by coef
+
+The coefficient is torch's: ``min(1, max_norm / (norm + 1e-6))``, applied always (x 1.0 is exact).
 Loss normalisation: each rank's loss is the mean over its own rows; gradients are averaged over
 the data-parallel group; so the update equals single-process training on the mean over the global
 batch when shards are equal (validate() makes them so).
@@ -24,6 +47,7 @@ batch when shards are equal (validate() makes them so).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Callable
 
 import torch
@@ -36,6 +60,61 @@ from shardwise.mesh import Mesh
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer should see: frozen ones (requires_grad False) are left out, so
+    that weight decay never moves them and the user's factory can build its groups from them."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def probe_groups(optimizer_factory: OptimizerFactory, params: list[nn.Parameter]):
+    """Call the user's factory once on the original ``params`` to learn their parameter groups.
+
+    Returns (probe, groups): groups = [(options, [params of that group, in ``params`` order])]
+    for every non-empty group, in the probe's order. A strategy that optimises flat buffers
+    builds one flat per group and then ``optimizer_like(probe, ...)`` over the flats. Raises
+    when the factory left a parameter out (a flat cannot hold a parameter no group steps)."""
+    probe = optimizer_factory(params)
+    group_of = {}
+    for g, group in enumerate(probe.param_groups):
+        for p in group["params"]:
+            group_of[id(p)] = g
+    missing = [i for i, p in enumerate(params) if id(p) not in group_of]
+    if missing:
+        raise ValueError(f"optimizer_factory left {len(missing)} of the {len(params)} trainable "
+                         "parameters it was given out of every parameter group; fix: put each "
+                         "one in a group (or freeze it with requires_grad_(False) before prepare)")
+    groups = []
+    for g, group in enumerate(probe.param_groups):
+        members = [p for p in params if group_of[id(p)] == g]
+        if members:
+            groups.append(({k: v for k, v in group.items() if k != "params"}, members))
+    return probe, groups
+
+
+def optimizer_like(probe: torch.optim.Optimizer, groups: list[tuple[dict, list]]):
+    """An optimizer of the probe's type and options over new tensors, one group per
+    (options, tensors). ``type(probe)(groups, **probe.defaults)``, with the defaults restricted
+    to what the constructor accepts (AdamW's defaults carry ``decoupled_weight_decay``, which
+    AdamW's constructor refuses; the group options keep it)."""
+    cls = type(probe)
+    accepted = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in probe.defaults.items() if k in accepted}
+    return cls([{**options, "params": list(tensors)} for options, tensors in groups], **defaults)
+
+
+def as_float(out):
+    """A tensor output cast to fp32 (the loss runs in fp32); any other structure unchanged."""
+    return out.float() if torch.is_tensor(out) else out
+
+
+def grad_sq(grads, device) -> torch.Tensor:
+    """Sum of squares of every entry of ``grads``, accumulated in fp32 (a scalar on ``device``)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        total += torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32).square()
+    return total
 
 
 def tensor_bytes(tensors) -> int:
@@ -61,14 +140,14 @@ class Strategy:
     # -- set-up ---------------------------------------------------------------------------
     def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
         self.model = model.to(self.device)
-        self.optimizer = optimizer_factory(list(self.model.parameters()))
+        self.optimizer = optimizer_factory(trainable(self.model))
 
     def data_shard(self) -> tuple[int, int]:
         """(index, count): this process trains on rows index/count of each global batch."""
         return self.mesh.dp_rank, self.mesh.dp
 
     # -- one step -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
         with self.autocast():
             return self.model(x)
 
@@ -88,6 +167,40 @@ class Strategy:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    # -- gradient clipping (see the module docstring for the hooks) ------------------------
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the
+        norm before clipping (fp32 scalar, the same on every rank). Call between backward and
+        step; collectives: whatever ``_finish_grad_sync`` and ``_sum_grad_sq`` need."""
+        self._finish_grad_sync()
+        total = self._sum_grad_sq(self._local_grad_sq()).sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._scale_grads(coef)
+        return total
+
+    def _clip_if_configured(self) -> None:
+        """``train.grad_clip`` > 0: clip before the step (every train_step calls this)."""
+        if self.cfg.train.grad_clip > 0:
+            self.clip_grad_norm_(self.cfg.train.grad_clip)
+
+    def _finish_grad_sync(self) -> None:
+        """Plain training: the gradients are final when backward returns."""
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The gradients this rank steps with (trainable parameters that have one)."""
+        return [p.grad for p in self.model.parameters() if p.requires_grad and p.grad is not None]
+
+    def _local_grad_sq(self) -> torch.Tensor:
+        return grad_sq(self._grads(), self.device)
+
+    def _sum_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:
+        return sq
+
+    def _scale_grads(self, coef: torch.Tensor) -> None:
+        for g in self._grads():
+            g.mul_(coef.to(g.dtype))
+
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -100,9 +213,10 @@ class Strategy:
             last = i == len(xs) - 1
             ctx = contextlib.nullcontext() if last else self.no_sync()
             with ctx:
-                loss = self.loss_fn(self.forward(xm.to(self.device)).float(), ym.to(self.device))
+                loss = self.loss_fn(as_float(self.forward(xm.to(self.device))), ym.to(self.device))
                 self.backward(loss / len(xs))
             total += loss.detach()
+        self._clip_if_configured()
         self.step()
         return self.reduce_mean(total / len(xs))
 
@@ -122,9 +236,9 @@ class Strategy:
         out = self.forward(x.to(self.device))
         self.model.train()
         y = y.to(self.device)
-        loss = self.loss_fn(out.float(), y)
+        loss = self.loss_fn(as_float(out), y)
         acc = None
-        if out.dim() == 2:  # classifier logits (B, classes)
+        if torch.is_tensor(out) and out.dim() == 2:  # classifier logits (B, classes)
             acc = self.reduce_mean((out.argmax(-1) == y).float().mean())
         return self.reduce_mean(loss), acc
 

@@ -5,20 +5,37 @@ Partition: nothing is partitioned. Every rank of the data-parallel group holds t
 its gradients and optimizer state, and trains on its own disjoint rows of each global batch.
 
 Collectives: at start, one broadcast per parameter and buffer from dp member 0 (so every replica
-starts identical whatever each process initialised). In backward, gradients land in flat buckets
+starts identical whatever each process initialised). At every forward, the model's buffers
+(BatchNorm running statistics) are broadcast from dp member 0, one flat per dtype (torch DDP's
+``broadcast_buffers=True``; meter ``ddp_buffers``): every replica normalises with, and ends with,
+member 0's statistics, which are those of member 0's rows only (plain BatchNorm, not
+SyncBatchNorm). In backward, gradients land in flat buckets
 (comm/buckets.py, about ``bucket_mb`` each, last layers first); the moment a bucket's last
 gradient is accumulated its allreduce is launched asynchronously (``overlap``), with the
 backend's own allreduce or shardwise's ring (``allreduce = native | ring``). ``step()`` waits for
 every bucket, divides by the dp size (mean gradient), then runs the optimizer on each replica.
+``clip_grad_norm_`` does that waiting first (the gradients are replicated then, so the norm needs
+no further collective) and ``step()`` does not repeat it.
 
 Memory per rank: parameters P, gradients P (the bucket buffers are the ``.grad`` storage, no
 copy), optimizer states (Adam: 2P), plus a half-size buffer per bucket with gradient compression.
 Traffic per step: one allreduce of all gradients, 2(N-1)/N * 4P bytes per rank in fp32 (half
-with bf16 / fp16 compression).
+with bf16 / fp16 compression), plus the buffers' bytes once per forward.
 
 ``no_sync()`` skips the reductions for gradient-accumulation micro-steps (gradients keep summing
-in the buckets); ``find_unused`` lets parameters that get no gradient in a step take part (their
-gradient is zero); without it such a parameter is reported by name.
+in the buckets). ``find_unused`` lets parameters that get no gradient in a step take part: each
+rank marks the parameters whose gradient hook ran, one small allreduce (max; meter
+``ddp_unused``, one byte-sized float per parameter) tells every rank which got a gradient on
+any rank, and those that got none have ``.grad`` None during the optimizer step, so torch.optim
+skips them exactly as in single-process training (Adam's moments and weight decay do not move
+them). Without ``find_unused`` such a parameter is reported by name.
+
+A user's own loop may drive the optimizer itself. Its ``zero_grad`` (torch's default
+set_to_none=True) zeroes the buckets in place instead of dropping the ``.grad`` views; a
+``.grad`` set to None some other way (``model.zero_grad()``) is re-attached by the buckets
+(comm/buckets.py), so the next backward still lands in the buckets. Its ``step()`` carries a
+step pre-hook (torch.optim's ``register_step_pre_hook``) that finishes the reduction first, so
+``engine.optimizer.step()`` equals ``engine.step()`` but for zeroing the gradients.
 
 Reference: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
 VLDB 2020; seed 003.
@@ -30,10 +47,11 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from shardwise.comm.buckets import Bucket, GradBuckets
+from shardwise.comm.buckets import Bucket, FlatBroadcast, GradBuckets
 from shardwise.comm.ring import RingRunner
 from shardwise.memory.amp import DTYPES
-from shardwise.parallel.base import OptimizerFactory, Strategy, optimizer_state_bytes, tensor_bytes
+from shardwise.parallel.base import OptimizerFactory, Strategy, grad_sq, optimizer_state_bytes, \
+    tensor_bytes, trainable
 
 
 
@@ -50,8 +68,12 @@ class DDPStrategy(Strategy):
         self.ring = RingRunner(self.comm) if p.allreduce == "ring" and self.group.size > 1 else None
         self.buckets = GradBuckets(list(self.model.named_parameters()), p.bucket_mb * 2**20,
                                    self._on_ready)
-        self.optimizer = optimizer_factory([q for q in self.model.parameters() if q.requires_grad])
-        self._sync, self._next = True, 0
+        self.model_buffers = FlatBroadcast(list(self.model.buffers()))
+        self.optimizer = optimizer_factory(trainable(self.model))
+        self.optimizer.zero_grad = self.zero_grad     # keep the .grad views (module docstring)
+        self.optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step())
+        self.optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
+        self._sync, self._next, self._synced = True, 0, False
 
     def _broadcast_state(self) -> None:
         """Every replica starts from dp member 0's parameters and buffers."""
@@ -60,11 +82,13 @@ class DDPStrategy(Strategy):
                 self.comm.broadcast(t.data, 0, self.group, name="ddp_broadcast")
 
     # -- backward: launch each bucket's reduction as soon as it is ready ------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        self.buckets.reattach()              # a .grad set to None since the last step
         self.buckets.reset()
         self._next = 0                       # launches go in bucket order on every rank
         for bucket in self.buckets.buckets:  # readiness is per backward (no_sync steps too)
             bucket.extra["ready"] = False
+        self.model_buffers.run(self.comm, 0, self.group, name="ddp_buffers")
         with self.autocast():
             return self.model(x)
 
@@ -95,8 +119,11 @@ class DDPStrategy(Strategy):
         else:
             bucket.work = self.comm.all_reduce(data, self.group, async_op=True, name="ddp_all_reduce")
 
-    def _finish(self) -> None:
-        """Launch what backward did not, wait for everything, average."""
+    def _finish_grad_sync(self) -> None:
+        """Launch what backward did not, wait for everything, average (once per step)."""
+        if self._synced:
+            return
+        self.buckets.reattach()
         if self.overlap and not self.find_unused:
             missing = self.buckets.unready()
             if missing:
@@ -115,6 +142,11 @@ class DDPStrategy(Strategy):
                     bucket.buffer.copy_(bucket.extra["low"])
             if n > 1:
                 bucket.buffer.div_(n)
+        if self.find_unused:
+            used = torch.tensor(self.buckets.used, dtype=torch.float32, device=self.device)
+            self.comm.all_reduce(used, self.group, op="max", name="ddp_unused")
+            self._used = (used > 0).tolist()
+        self._synced = True
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -126,9 +158,41 @@ class DDPStrategy(Strategy):
             self._sync = True
 
     def step(self) -> None:
-        self._finish()
-        self.optimizer.step()
+        self.optimizer.step()   # its hooks reduce (unless clipping did) and restore the views
+        self._clear()
+
+    def _before_optimizer_step(self) -> None:
+        """Every optimizer.step(), the user's own included: gradients reduced first."""
+        self._finish_grad_sync()
+        if self.find_unused:    # no gradient on any rank: the optimizer must skip it
+            self.buckets.detach_unused(self._used)
+
+    def _after_optimizer_step(self) -> None:
+        self.buckets.reattach()
+        self._synced = False    # a later backward (without zero_grad) accumulates, reduced again
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's zero_grad under DDP: drop this step's gradients, keep the buckets
+        (``set_to_none`` is accepted and ignored: the views must stay)."""
+        for bucket in self.buckets.buckets:
+            if bucket.work is not None:   # a launched reduction still writes into the buffer
+                bucket.work.wait()
+                bucket.work = None
+        self.buckets.reattach()
+        self._clear()
+
+    def _clear(self) -> None:
         self.buckets.zero()
+        self.buckets.clear_used()
+        self._synced = False
+
+    # -- clipping: after the allreduce every replica holds the same mean gradient ----------
+    def _local_grad_sq(self) -> torch.Tensor:
+        return grad_sq([b.buffer for b in self.buckets.buckets], self.device)
+
+    def _scale_grads(self, coef: torch.Tensor) -> None:
+        for b in self.buckets.buckets:
+            b.buffer.mul_(coef.to(b.buffer.dtype))
 
     def close(self) -> None:
         if self.ring is not None:
@@ -141,5 +205,6 @@ class DDPStrategy(Strategy):
             "gradients": self.buckets.nbytes(),
             "optimizer_states": optimizer_state_bytes(self.optimizer),
             "master_weights": 0,
-            "comm_buffers": sum(tensor_bytes([b.extra.get("low")]) for b in self.buckets.buckets),
+            "comm_buffers": sum(tensor_bytes([b.extra.get("low")]) for b in self.buckets.buckets)
+            + self.model_buffers.nbytes(),
         }

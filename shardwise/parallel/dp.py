@@ -10,6 +10,10 @@ summed on replica 0 and the sum is broadcast back (seed 001's ``allreduce``: gat
 device, add, copy out), divided by k (mean gradient); then every replica runs its own optimizer
 step on identical gradients, so the replicas stay identical.
 
+Buffers (BatchNorm statistics) are copied from replica 0 to the others before each step's
+forward, as DDP broadcasts them from dp rank 0. Clipping (``train.grad_clip``) runs on the mean
+gradient, after the reduction: the norm is replica 0's, every replica is scaled the same.
+
 Memory: k full copies of parameters, gradients and optimizer state in one process.
 Traffic per step: replica 0 receives (k-1) x 4P bytes and sends (k-1) x 4P bytes; metered as
 ``dp_reduce`` and ``dp_broadcast`` from replica 0's point of view.
@@ -26,7 +30,8 @@ import copy
 import torch
 import torch.nn as nn
 
-from shardwise.parallel.base import OptimizerFactory, Strategy, optimizer_state_bytes, tensor_bytes
+from shardwise.parallel.base import OptimizerFactory, Strategy, as_float, grad_sq, \
+    optimizer_state_bytes, tensor_bytes, trainable
 
 
 def replica_devices(k: int, device: torch.device) -> list[torch.device]:
@@ -44,7 +49,7 @@ class DataParallelStrategy(Strategy):
         self.devices = replica_devices(k, self.device)
         first = model.to(self.devices[0])
         self.replicas = [first] + [copy.deepcopy(first).to(d) for d in self.devices[1:]]
-        self.optimizers = [optimizer_factory(list(r.parameters())) for r in self.replicas]
+        self.optimizers = [optimizer_factory(trainable(r)) for r in self.replicas]
         self.model, self.optimizer = self.replicas[0], self.optimizers[0]
         self.pool = cf.ThreadPoolExecutor(max_workers=k, thread_name_prefix="shardwise-dp")
 
@@ -64,32 +69,53 @@ class DataParallelStrategy(Strategy):
         for xm, ym in zip(xs, ys):
             with self.autocast():
                 out = model(xm.to(dev))
-            loss = self.loss_fn(out.float(), ym.to(dev))
+            loss = self.loss_fn(as_float(out), ym.to(dev))
             (loss / len(xs)).backward()
             total += loss.detach()
         return total / len(xs)
 
     def _allreduce_grads(self) -> None:
-        """Sum every replica's gradients on replica 0, divide by k, copy the mean back out."""
+        """Sum every replica's gradients on replica 0, divide by k, copy the mean back out.
+        Paired by parameter: a parameter no replica got a gradient for keeps None (skipped by
+        the optimizers); one some replicas missed counts zero from them."""
         k = len(self.replicas)
-        grads = [[p.grad for p in r.parameters() if p.grad is not None] for r in self.replicas]
-        nbytes = tensor_bytes(grads[0])
+        params = [list(r.parameters()) for r in self.replicas]
+        nbytes = 0
         with torch.no_grad():
-            for j, g0 in enumerate(grads[0]):
-                for i in range(1, k):
-                    g0.add_(grads[i][j].to(g0.device))
+            for same in zip(*params):
+                grads = [p.grad for p in same]
+                if all(g is None for g in grads):
+                    continue
+                for p in same:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                g0 = same[0].grad
+                for p in same[1:]:
+                    g0.add_(p.grad.to(g0.device))
                 g0.div_(k)
-                for i in range(1, k):
-                    grads[i][j].copy_(g0)
+                for p in same[1:]:
+                    p.grad.copy_(g0)
+                nbytes += tensor_bytes([g0])
         self.comm.meter.record("dp_reduce", 0, (k - 1) * nbytes)
         self.comm.meter.record("dp_broadcast", (k - 1) * nbytes, 0)
+
+    @torch.no_grad()
+    def _copy_buffers(self) -> None:
+        """Every replica takes replica 0's buffers (DDP's broadcast_buffers)."""
+        first = list(self.replicas[0].buffers())
+        for r in self.replicas[1:]:
+            for b, b0 in zip(r.buffers(), first):
+                b.copy_(b0)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         k = len(self.replicas)
         xs, ys = x.chunk(k), y.chunk(k)   # scatter: replica i gets row block i
+        self._copy_buffers()
         losses = list(self.pool.map(self._replica_backward, range(k), xs, ys))
         if k > 1:
             self._allreduce_grads()
+        if self.cfg.train.grad_clip > 0:
+            super().clip_grad_norm_(self.cfg.train.grad_clip)
         list(self.pool.map(lambda opt: opt.step(), self.optimizers))
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -100,6 +126,21 @@ class DataParallelStrategy(Strategy):
 
     def backward(self, loss: torch.Tensor) -> None:
         raise RuntimeError(self._ONLY_TRAIN_STEP)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        raise RuntimeError(self._ONLY_TRAIN_STEP + " (with train.grad_clip set for clipping)")
+
+    # clipping inside train_step: the replicas hold the same mean gradient after the reduction
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for r in self.replicas for p in r.parameters() if p.grad is not None]
+
+    def _local_grad_sq(self) -> torch.Tensor:
+        return grad_sq([p.grad for p in self.replicas[0].parameters() if p.grad is not None],
+                       self.devices[0])
+
+    def _scale_grads(self, coef: torch.Tensor) -> None:
+        for g in self._grads():
+            g.mul_(coef.to(g.device, g.dtype))
 
     def step(self) -> None:
         raise RuntimeError(self._ONLY_TRAIN_STEP)

@@ -4,9 +4,22 @@ Distributed Machine Learning with the Parameter Server", OSDI 2014).
 Roles: global ranks 0..P-1 are the ps tasks /job:ps/task:i, ranks P..P+W-1 the workers
 /job:worker/task:j (between-graph replication: every worker runs the whole model on its own rows).
 
-Partition: the parameter tensors are split over the P ps tasks, balanced by bytes (greedy by
-tensor, largest first). Each ps task holds the optimizer for its tensors and applies the updates;
-workers hold a full copy of the parameters and no optimizer.
+Partition: the trainable parameter tensors are split over the P ps tasks, balanced by bytes
+(greedy by tensor, largest first). Each ps task holds the optimizer for its tensors and applies
+the updates; workers hold a full copy of the parameters and no optimizer. Frozen parameters
+(requires_grad False) belong to no ps: nothing pushes, steps or decays them.
+
+Start: every rank takes global rank 0's parameters and buffers (one broadcast per tensor over the
+world, meter ``ps_init``), so workers that initialised differently compute on the same model.
+Buffers (BatchNorm statistics) travel with ps task 0's messages: every worker pushes its own, ps 0
+keeps worker 0's (the lowest live worker's, if 0 failed) and every pull returns them, so all
+workers start each step with worker 0's statistics, as under DDP (rank 0's per-shard
+statistics; not an average). ps 0's replica holds them, so state_dict includes them.
+
+Gradient clipping (``train.grad_clip``, sync mode): each ps task clips the workers' averaged
+gradient with the global norm, its shard's squared norm summed over the ps tasks (one scalar
+allreduce per step, meter ``ps_grad_norm``), which equals clipping in single-process training.
+async / ssp apply each worker's gradient on its own, with no global mean to clip: refused.
 
 Traffic per step (K = model bytes): each worker pushes its gradients (K in all, K/P to each ps)
 and pulls the parameters (K); the busiest ps task receives and sends about W*K/P each way, against
@@ -37,6 +50,7 @@ import torch.nn as nn
 
 from shardwise.comm.ps_transport import HEADER, Links, ServerEnd, WorkerEnd, pack, \
     partition_by_bytes, task_name, unpack
+from shardwise.config import ConfigError
 from shardwise.validate import parse_straggler
 from shardwise.parallel.base import OptimizerFactory, Strategy, optimizer_state_bytes, tensor_bytes
 from shardwise.parallel.ps_server import ParamServer
@@ -60,20 +74,31 @@ class ParameterServerStrategy(Strategy):
 
     # -- set-up ---------------------------------------------------------------------------
     def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
+        clip = self.cfg.train.grad_clip
+        if clip > 0 and self.cfg.parallel.ps_mode != "sync":
+            raise ConfigError("train.grad_clip", clip, f"ps_mode {self.cfg.parallel.ps_mode!r} "
+                              "applies each worker's gradient on its own: there is no global "
+                              "gradient to clip", "use ps_mode sync, or train.grad_clip 0")
         self.model = model.to(self.device)
-        self.params = list(self.model.parameters())
+        with torch.no_grad():   # every rank starts from rank 0's (ps task 0's) model
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                self.comm.broadcast(t.data, 0, self.mesh.world, name="ps_init")
+        self.params = [t for t in self.model.parameters() if t.requires_grad]
+        self.buffers = list(self.model.buffers())      # they travel with ps 0's messages
         sizes = [t.numel() * t.element_size() for t in self.params]
         self.shards = [[self.params[i] for i in idx]
                        for idx in partition_by_bytes(sizes, self.num_ps)]
         self.msg_numel = [HEADER + sum(t.numel() for t in s) for s in self.shards]
+        self.msg_numel[0] += sum(t.numel() for t in self.buffers)
         timeout = self.cfg.parallel.ps_timeout
-        links = Links(self.num_ps, self.num_workers, self.mesh.rank)
+        links = Links(self.num_ps, self.num_workers, self.mesh.rank, servers_group=clip > 0)
         if self.is_ps:
             mine = self.shards[self.mesh.rank]
             self.optimizer = optimizer_factory(mine)
             end = ServerEnd(links, self.comm, self.mesh.rank, self.msg_numel[self.mesh.rank],
                             self.cfg.train.steps, timeout)
-            self.server = ParamServer(mine, self.optimizer, end, self.num_workers, self.cfg)
+            self.server = ParamServer(mine, self.optimizer, end, self.num_workers, self.cfg,
+                                      self._extras(self.mesh.rank), links.servers)
         else:
             self.optimizer = None
             # a worker waits longer than a ps, so the ps names a failed worker first
@@ -81,6 +106,14 @@ class ParameterServerStrategy(Strategy):
             self.push_bufs = [torch.empty(n) for n in self.msg_numel]
             self.pull_bufs = [torch.empty(n) for n in self.msg_numel]
             self.versions = [0] * self.num_ps
+
+    def _extras(self, j: int) -> list[torch.Tensor]:
+        """What ps task j's messages carry after its parameters: the buffers for ps 0."""
+        return self.buffers if j == 0 else []
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        raise RuntimeError("ps: the ps tasks clip (train.grad_clip, sync mode) on the averaged "
+                           "gradient; call engine.train_step(x, y)")
 
     def data_shard(self) -> tuple[int, int]:
         """Worker j trains on rows j/W; a ps task gets worker 0's rows and ignores them."""
@@ -125,11 +158,12 @@ class ParameterServerStrategy(Strategy):
         for j, shard in enumerate(self.shards):
             self.end.wait_pushed(j)
             grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in shard]
-            self.end.push(j, pack((clock, self.versions[j], loss), grads, self.push_bufs[j]))
+            self.end.push(j, pack((clock, self.versions[j], loss), grads + self._extras(j),
+                                  self.push_bufs[j]))
         for j, shard in enumerate(self.shards):
             self.end.pull(j, self.pull_bufs[j])
             self.versions[j] = int(self.pull_bufs[j][0])
-            unpack(self.pull_bufs[j], shard)
+            unpack(self.pull_bufs[j], shard + self._extras(j))
         for t in self.params:
             t.grad = None
         return float(self.pull_bufs[0][1])
@@ -144,9 +178,9 @@ class ParameterServerStrategy(Strategy):
         for j, shard in enumerate(self.shards):
             flat = torch.empty(self.msg_numel[j])
             if self.mesh.rank == j:
-                pack((0.0, 0.0, 0.0), shard, flat)
+                pack((0.0, 0.0, 0.0), shard + self._extras(j), flat)
             self.comm.broadcast(flat, j, self.mesh.world, name="ps_gather")
-            unpack(flat, shard)
+            unpack(flat, shard + self._extras(j))
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float | None]:
@@ -159,7 +193,7 @@ class ParameterServerStrategy(Strategy):
             out = self.forward(x.to(self.device))
             self.model.train()
             y = y.to(self.device)
-            acc = out.dim() == 2
+            acc = torch.is_tensor(out) and out.dim() == 2
             sums[0] = self.loss_fn(out, y)
             sums[1] = (out.argmax(-1) == y).float().mean() if acc else 0.0
             sums[2] = 1.0

@@ -18,6 +18,11 @@ ssp   as async, but the answer to a worker whose clock is more than ``staleness`
       staleness 0 and plain SGD this is exactly sync: every worker computes on the same version
       and the N applications of g_w / N sum to one step on the mean gradient.
 
+Buffers (ps task 0 only, ``extras``): each push carries the worker's buffers after its
+gradients; the lowest live worker's are kept and every answer carries them after the parameters.
+Clipping (sync, ``train.grad_clip``): the averaged gradient is scaled by torch's coefficient
+min(1, max_norm / (norm + 1e-6)), the norm summed over the ps tasks' shards (``servers`` group).
+
 ``serve(k)`` returns once every live worker's push for step k has been applied and answered, so
 the training loop's collectives (evaluation, logging) meet every rank at the same step.
 Failures: a worker that sends nothing for ``ps_timeout`` seconds, or whose link breaks, is named
@@ -38,9 +43,12 @@ from shardwise.comm.ps_transport import HEADER, ServerEnd, pack, task_name, unpa
 class ParamServer:
     """Parameters, optimizer and update bookkeeping of one ps task."""
 
-    def __init__(self, params: list, optimizer, end: ServerEnd, num_workers: int, cfg):
+    def __init__(self, params: list, optimizer, end: ServerEnd, num_workers: int, cfg,
+                 extras: list | None = None, servers=None):
         p = cfg.parallel
         self.params, self.optimizer, self.end = params, optimizer, end
+        self.extras, self.servers = extras or [], servers
+        self.clip = cfg.train.grad_clip
         self.num_workers, self.mode, self.staleness = num_workers, p.ps_mode, p.staleness
         self.stop_on_failure = p.ps_mode == "sync" and p.on_worker_failure == "stop"
         self.timeout, self.num_ps = p.ps_timeout, p.num_ps
@@ -51,8 +59,9 @@ class ParamServer:
         self.releases: list[dict] = []          # one per answer sent (ssp bound evidence)
         self.losses: dict[int, list[float]] = {}  # clock -> losses the workers sent with it
         self.deferred: set[int] = set()
-        numel = sum(t.numel() for t in params)
-        self.reply_bufs = [torch.empty(HEADER + numel) for _ in range(num_workers)]
+        numel = self.numel = sum(t.numel() for t in params)
+        extra = sum(t.numel() for t in self.extras)
+        self.reply_bufs = [torch.empty(HEADER + numel + extra) for _ in range(num_workers)]
         self.grad_sum = torch.zeros(numel)
         for t in params:
             t.grad = torch.zeros_like(t)
@@ -79,8 +88,11 @@ class ParamServer:
         ws = sorted(w for w in arrived if w in self.live)
         self.grad_sum.zero_()
         for w in ws:  # fixed order: the sum is the same whatever order the pushes came in
-            self.grad_sum += arrived[w][HEADER:]
+            self.grad_sum += self._grad_of(arrived[w])
         self.grad_sum /= len(ws)
+        self._keep_extras(ws[0], arrived[ws[0]])
+        if self.clip > 0:
+            self._clip(self.grad_sum)
         losses = [float(arrived[w][2]) for w in ws]
         for w in ws:
             self._record(w, int(arrived[w][0]), int(arrived[w][1]))
@@ -109,7 +121,8 @@ class ParamServer:
         clock, pulled, loss = int(msg[0]), int(msg[1]), float(msg[2])
         self.losses.setdefault(clock, []).append(loss)
         self._record(w, clock, pulled)
-        self.grad_sum.copy_(msg[HEADER:]).div_(self.num_workers)
+        self._keep_extras(w, msg)
+        self.grad_sum.copy_(self._grad_of(msg)).div_(self.num_workers)
         self._step(self.grad_sum)
         self.deferred.add(w)
         self._release()
@@ -127,7 +140,7 @@ class ParamServer:
 
     def _answer(self, w: int, loss: float) -> None:
         self.end.wait_sent(w)  # the reply buffer is free again
-        buf = pack((self.version, loss, 0.0), self.params, self.reply_bufs[w])
+        buf = pack((self.version, loss, 0.0), self.params + self.extras, self.reply_bufs[w])
         self.end.reply(w, buf)
         self.releases.append({"worker": w, "clock": self.clocks[w], "min_clock": self._min_clock(),
                               "version": self.version})
@@ -136,6 +149,23 @@ class ParamServer:
         self.applied[w] += 1
         self.records.append({"worker": w, "clock": clock, "pulled": pulled,
                              "staleness": self.version - pulled, "min_clock": self._min_clock()})
+
+    def _grad_of(self, msg: torch.Tensor) -> torch.Tensor:
+        return msg[HEADER:HEADER + self.numel]
+
+    @torch.no_grad()
+    def _keep_extras(self, w: int, msg: torch.Tensor) -> None:
+        """ps 0: keep the buffers of the lowest live worker (worker 0 while it lives)."""
+        if self.extras and w == min(self.live):
+            unpack(msg, self.extras, offset=HEADER + self.numel)
+
+    def _clip(self, grad: torch.Tensor) -> None:
+        """Scale the averaged gradient to global L2 norm <= clip (norm over every ps's shard)."""
+        sq = torch.linalg.vector_norm(grad, 2, dtype=torch.float32).square().reshape(1)
+        if self.servers is not None:
+            self.end.comm.all_reduce(sq, self.servers, name="ps_grad_norm")
+        coef = torch.clamp(self.clip / (sq[0].sqrt() + 1e-6), max=1.0)
+        grad.mul_(coef)
 
     def _step(self, flat_grad: torch.Tensor) -> None:
         """One optimizer step on this task's parameters with ``flat_grad`` as their gradient."""

@@ -20,9 +20,14 @@ Stage 1 (:class:`Zero1Strategy`) keeps whole parameters and whole gradients (``p
 of one flat buffer per bucket, so autograd accumulates into it in place). When a bucket's last
 gradient arrives (post-accumulate-grad hooks; during backward with ``overlap``, after it
 without) its reduce-scatter starts; inside ``no_sync`` nothing is sent and gradients accumulate.
-Stage 2 (:class:`Zero2Strategy`) copies each ready bucket's gradients into a transient buffer,
-frees them, and reduce-scatters into a 1/N gradient shard, so whole gradients never persist
+Stage 2 (:class:`Zero2Strategy`) gives a bucket a staging buffer on its first gradient (every
+``.grad`` of the bucket becomes a view of it; zero_base.py), reduce-scatters it into a 1/N
+gradient shard as soon as the bucket is ready and frees it when that finishes: at most two
+whole-size buckets live at once (one filling, one reducing), so whole gradients never persist
 (inside ``no_sync`` it still reduce-scatters each micro-step, into the accumulating shard).
+With ``overlap`` off the reduce-scatter blocks, but still runs when the bucket is ready.
+Parameters of a bucket are laid out by optimizer parameter group; frozen parameters are in no
+bucket (zero_base.py).
 
 The step, in three phases (nanoGPT's shape; one rank runs it unchanged): wait for the
 reduce-scatters; for each bucket, step the optimizer on its fp32 master shard, copy the result
@@ -33,7 +38,7 @@ plain training.
 """
 from __future__ import annotations
 
-from shardwise.comm.flat import bucket_indices, storage_bytes
+from shardwise.comm.flat import bucket_indices, free_storage, storage_bytes
 from shardwise.parallel.zero_base import Chunk, ZeroBase
 from shardwise.parallel.zero_stage3 import Zero3Strategy  # noqa: F401  (registry name zero3)
 
@@ -42,16 +47,14 @@ class _BucketedZero(ZeroBase):
     """Stages 1 and 2: whole parameters on every rank, flat buckets, sharded optimizer."""
 
     def wrap(self, model, optimizer_factory) -> None:
-        self.model = model.to(self.device)
-        params = list(reversed(list(dict.fromkeys(self.model.parameters()))))
+        params = list(reversed(self._adopt(model, optimizer_factory)))
         itemsize = max(2, self.dtype.itemsize)
         bucket_numel = max(1, int(self.cfg.parallel.bucket_mb * 2**20 / itemsize))
         for idx in bucket_indices([p.numel() for p in params], bucket_numel):
             c = self._make_chunk([params[i] for i in idx], full_sharded=False)
             self._init_grads(c)
             self.chunks.append(c)
-        self._build_optimizer(optimizer_factory)
-        self._reducing: list[tuple] = []     # (chunk, work, temp or None, staging or None)
+        self._build_optimizer()
         self._gathers: list = []
         self._next = 0                       # next bucket to launch (launch order = index order)
 
@@ -79,21 +82,6 @@ class _BucketedZero(ZeroBase):
         self._next = 0
         if not self._syncing and self.stage == 2:
             self._finish_reductions()      # accumulate this micro-step into the shard now
-
-    def _finish_reductions(self) -> None:
-        """Phase 1: wait for the reduce-scatters; fold temporaries into the gradient shards."""
-        for c, work, temp, staging in self._reducing:
-            work.wait()
-            if temp is not None:
-                if c.grad_valid:
-                    c.grad_shard.add_(temp)
-                else:
-                    c.grad_shard.copy_(temp)
-                self._comm_live -= storage_bytes(temp)
-            if staging is not None:
-                self._comm_live -= storage_bytes(staging)
-            c.grad_valid = True
-        self._reducing.clear()
 
     def _after_chunk_step(self, index: int) -> None:
         c = self.chunks[index]
@@ -128,8 +116,7 @@ class Zero1Strategy(_BucketedZero):
         c.grad_full = c.layout.new_flat(dtype=self.dtype, device=self.device)
         c.grad_shard = c.layout.shard(c.grad_full, self.group.rank)
         for p, view in zip(c.params, c.layout.views(c.grad_full)):
-            if p.requires_grad:
-                p.grad = view                  # autograd accumulates into the bucket in place
+            p.grad = view                      # autograd accumulates into the bucket in place
 
     def _chunk_ready(self, index: int) -> None:
         if self._syncing:                      # inside no_sync: keep accumulating, send nothing
@@ -137,13 +124,13 @@ class Zero1Strategy(_BucketedZero):
 
     def _launch(self, c: Chunk) -> None:
         if self._ring is not None:             # the ring reduces in place: own slice is the answer
-            temp = None
             work = self._reduce_scatter(c.grad_shard, c.grad_full, async_op=True)
+            self._reducing.append((c, work, None, None, "into"))
         else:                                  # the backend may not write its input: a temporary
             temp = c.grad_shard.new_empty(c.grad_shard.shape)
-            self._comm_alloc(storage_bytes(temp))
+            self._alloc("staging", storage_bytes(temp))
             work = self._reduce_scatter(temp, c.grad_full, async_op=self.overlap)
-        self._reducing.append((c, work, temp, None))
+            self._reducing.append((c, work, temp, None, "copy"))
 
     def _zero_grads(self) -> None:
         for c in self.chunks:
@@ -157,18 +144,26 @@ class Zero2Strategy(_BucketedZero):
     """ZeRO-2: optimizer states and gradients sharded; whole parameters kept.
 
     Partition: rank r owns slice r of each bucket's gradients, optimizer state and masters.
-    Collectives: as ZeRO-1, but each bucket's gradients are copied out, freed and reduce-scattered
-    as soon as the bucket is ready, so only a 1/N gradient shard persists. Memory per rank
-    (Adam): mixed precision 2P + 14P/N, fp32 4P + 12P/N (plus transient bucket buffers).
+    Collectives: as ZeRO-1, but each bucket's gradients accumulate in a staging buffer that is
+    reduce-scattered as soon as the bucket is ready and freed when that finishes, so only a 1/N
+    gradient shard persists. Memory per rank (Adam): mixed precision 2P + 14P/N, fp32 4P + 12P/N,
+    plus at most two whole-size bucket buffers (``comm_buffers``, the high-water mark).
     Traffic per step: 2(N-1)/N K, as DDP. Reference: ZeRO (SC 2020), "P_os+g".
     """
     name, stage = "zero2", 2
 
     def _init_grads(self, c: Chunk) -> None:
         c.grad_shard = c.shard.new_zeros(c.shard.shape)
+        free_storage(c.grad_shard)             # alive from its reduce-scatter to the step
+
+    def _chunk_ready(self, index: int) -> None:
+        """Launch now even with overlap off (the collective then blocks): a ready bucket's
+        staging buffer is freed at once instead of waiting for the end of backward."""
+        self.chunks[index].extra["ready"] = True
+        self._launch_ready()
 
     def _launch(self, c: Chunk) -> None:
-        self._stage_and_reduce(c)
+        self._reduce_staged(c)
 
     def _grad_bytes(self) -> int:
-        return sum(storage_bytes(c.grad_shard) for c in self.chunks)
+        return self._grad_shard_bytes()

@@ -1,58 +1,118 @@
 """ZeRO stage 3: parameters, gradients and optimizer states all sharded (FSDP's "full shard").
 
-The model is cut into units: each direct child module that has parameters (the items of a
-ModuleList / ModuleDict count as children: for the GPT, tok_emb, pos_emb, each block, ln_f and
-head), plus one root unit for parameters held by the model itself. Each unit is one flat, padded
-chunk (shardwise/comm/flat.py); rank r keeps only slice r of it. Per unit and step:
+Units, by policy (as FSDP's auto-wrap): every module of a *unit class* is one unit, wherever it
+sits in the tree (the outermost one when they nest). The classes are ``parallel.zero3_units``
+(comma-separated class names), or by default the largest repeated module class: the class that
+occurs at least twice and has the most parameters per instance (shardwise's ``Block``, HF's
+``GPT2Block`` / ``LlamaDecoderLayer``). Every other child module with parameters and no unit
+inside is a unit of its own (for our GPT: tok_emb, pos_emb, ln_f, head); a module's own direct
+parameters form a unit on that module. Tied parameters (used by two modules, e.g. HF GPT-2's
+``lm_head.weight is transformer.wte.weight``) go to the root unit, which is gathered around the
+whole forward and until its gradients are in, so every user finds them gathered. Frozen
+parameters are in no unit: every rank keeps them whole (zero_base.py).
+
+Each unit is one flat, padded chunk (shardwise/comm/flat.py); rank r keeps only slice r of it.
+Per unit and step:
 
     forward   pre-hook: all-gather the unit (wait for the prefetch, if one is in flight), start
               the next unit's all-gather; post-hook: release the whole unit (its storage is
               resized to 0, so tensors autograd saved see the refilled memory later) and hook
-              the outputs so that backward re-gathers it
+              every tensor in the (nested) outputs so that backward re-gathers it
     backward  output-gradient hook: all-gather the unit again, start the previous unit's
-              all-gather; when every parameter's gradient has arrived (post-accumulate-grad
-              hooks): copy the gradients into one buffer, free them and the unit, and
-              reduce-scatter into this rank's gradient shard
+              all-gather; gradients accumulate into the unit's staging buffer (zero_base.py);
+              when the last one arrives, free the unit and reduce-scatter the buffer into this
+              rank's gradient shard (the buffer is freed when that finishes)
     step      wait for the reduce-scatters, step each unit's fp32 master shard (zero_base.py);
               nothing to gather: the next forward gathers
 
 Memory per rank (Adam): 16P/N for both mixed precision (2 + 2 + 4 + 8 bytes per parameter) and
-fp32 (4 + 4 + 8), plus transient whole units (at most the unit in use and one prefetched) and
-gradient staging buffers (reported as ``comm_buffers``). Traffic per step: 3(N-1)/N K (two
-all-gathers and one reduce-scatter), 1.5x DDP. With ``overlap`` off nothing is prefetched and
-every collective blocks. Reference: ZeRO (SC 2020), "P_os+g+p"; Zhao et al., "PyTorch FSDP"
-(VLDB 2023) for the unit / prefetch / reshard-after-forward structure.
+fp32 (4 + 4 + 8), plus transient buffers (``comm_buffers``, the high-water mark): at most two
+whole units gathered (the one in use and one prefetched; the root unit besides, when it holds
+parameters) and at most two whole-size gradient buffers (one filling, one reducing). Traffic per
+step: 3(N-1)/N K (two all-gathers and one reduce-scatter), 1.5x DDP. With ``overlap`` off nothing
+is prefetched and every collective blocks. Reference: ZeRO (SC 2020), "P_os+g+p"; Zhao et al.,
+"PyTorch FSDP" (VLDB 2023) for the unit / prefetch / reshard-after-forward structure.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 
 from shardwise.comm.flat import alloc_storage, free_storage, storage_bytes
 from shardwise.parallel.zero_base import Chunk, ZeroBase
 
 FREE, INFLIGHT, HELD = "free", "inflight", "held"
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
-def split_units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """(module, parameters) per unit, in registration (usually forward) order."""
-    units, seen = [], set()
+def block_class(model: nn.Module) -> str | None:
+    """The largest repeated module class: occurs >= 2 times, most parameters per instance."""
+    counts, sizes = Counter(), {}
+    for m in model.modules():
+        if isinstance(m, CONTAINERS) or m is model:
+            continue
+        name = type(m).__name__
+        counts[name] += 1
+        sizes[name] = max(sizes.get(name, 0), sum(p.numel() for p in m.parameters()))
+    repeated = [n for n, k in counts.items() if k >= 2 and sizes[n] > 0]
+    return max(repeated, key=lambda n: sizes[n]) if repeated else None
+
+
+def split_units(model: nn.Module, classes: list[str] | None = None,
+                trainable_only: bool = False) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(module, parameters) per unit, in registration (usually forward) order; see the module
+    docstring for the policy. ``classes`` None: the largest repeated class."""
+    if classes is None:
+        found = block_class(model)
+        classes = [found] if found else []
+    present = {type(m).__name__ for m in model.modules()}
+    unknown = [c for c in classes if c not in present]
+    if unknown:
+        raise ValueError(f"parallel.zero3_units: no module of class {unknown} in the model; fix: "
+                         f"use class names from {sorted(present)[:12]}")
+    classes = set(classes)
+    owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    tied = {pid for pid, k in owners.items() if k > 1}     # one tensor, two modules
+    seen = set(tied)
+
+    def take(params):
+        out = [p for p in params if id(p) not in seen and (p.requires_grad or not trainable_only)]
+        seen.update(id(p) for p in out)
+        return out
+
+    def holds_unit(m):
+        return any(type(s).__name__ in classes for s in m.modules())
+
+    units = []
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            if type(child).__name__ in classes:
+                params = take(child.parameters())
+            elif isinstance(child, CONTAINERS) or holds_unit(child):
+                params = take(child.parameters(recurse=False))
+                if params:                  # its own direct parameters, gathered around it
+                    units.append((child, params))
                 visit(child)
                 continue
-            params = [p for p in child.parameters() if p not in seen]
+            else:
+                params = take(child.parameters())
             if params:
-                seen.update(params)
                 units.append((child, params))
-    root = [p for p in model.parameters(recurse=False)]
-    seen.update(root)
     visit(model)
+    root = [p for p in model.parameters() if id(p) in tied] + take(model.parameters(recurse=False))
+    root = [p for p in root if p.requires_grad or not trainable_only]
     if root:
         units.insert(0, (model, root))
     return units
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor inside a nested output (tuples, dicts, Hugging Face ModelOutput)."""
+    return [t for t in tree_flatten(obj)[0] if torch.is_tensor(t)]
 
 
 class Zero3Strategy(ZeroBase):
@@ -61,31 +121,33 @@ class Zero3Strategy(ZeroBase):
     Partition: rank r owns slice r of every unit's flat parameters, gradients, fp32 masters and
     optimizer state. Collectives: all-gather per unit before forward and again before backward
     (prefetching the next unit), reduce-scatter per unit after its backward. Memory per rank:
-    16P/N (Adam, mixed precision or fp32) + two whole units. Traffic per step: 3(N-1)/N K, 1.5x
-    DDP. Reference: ZeRO (SC 2020), "P_os+g+p".
+    16P/N (Adam, mixed precision or fp32) + two whole units and two gradient buffers. Traffic
+    per step: 3(N-1)/N K, 1.5x DDP. Reference: ZeRO (SC 2020), "P_os+g+p".
     """
     name, stage = "zero3", 3
 
     def wrap(self, model, optimizer_factory) -> None:
-        self.model = model.to(self.device)
-        self.units = split_units(self.model)
+        self._adopt(model, optimizer_factory)
+        names = getattr(self.cfg.parallel, "zero3_units", "")
+        classes = [c.strip() for c in names.split(",") if c.strip()] or None
+        self.units = split_units(self.model, classes, trainable_only=True)
         for index, (module, params) in enumerate(self.units):
             c = self._make_chunk(params, full_sharded=True)
             free_storage(c.full)
             c.grad_shard = c.shard.new_zeros(c.shard.shape)
+            free_storage(c.grad_shard)        # alive from its reduce-scatter to the step
             c.extra.update(state=FREE, work=None, index=index, backward=False)
             module.register_forward_pre_hook(self._pre_forward_hook(c))
             module.register_forward_hook(self._post_forward_hook(c))
             self.chunks.append(c)
-        self._build_optimizer(optimizer_factory)
-        self._reducing: list[tuple] = []
+        self._build_optimizer()
 
     # -- gathering and freeing ------------------------------------------------------------
     def _start_gather(self, c: Chunk, async_op: bool) -> None:
         if c.extra["state"] != FREE:
             return
         alloc_storage(c.full)
-        self._comm_alloc(storage_bytes(c.full))
+        self._alloc("gathered", storage_bytes(c.full))
         c.extra["work"] = self._all_gather(c.full, c.shard, async_op=async_op)
         c.extra["state"] = INFLIGHT
 
@@ -106,7 +168,7 @@ class Zero3Strategy(ZeroBase):
         if c.extra["state"] == INFLIGHT:
             c.extra["work"].wait()
         if c.extra["state"] != FREE:
-            self._comm_live -= storage_bytes(c.full)
+            self._release("gathered", storage_bytes(c.full))
             free_storage(c.full)
             c.extra["work"], c.extra["state"] = None, FREE
 
@@ -120,9 +182,8 @@ class Zero3Strategy(ZeroBase):
     def _post_forward_hook(self, c: Chunk):
         def hook(module, args, output):
             if torch.is_grad_enabled():
-                tensors = output if isinstance(output, (tuple, list)) else [output]
-                for t in tensors:
-                    if torch.is_tensor(t) and t.requires_grad:
+                for t in _tensors(output):
+                    if t.requires_grad:
                         t.register_hook(self._pre_backward_hook(c))
                         c.extra["backward"] = True
             self._free(c)
@@ -135,29 +196,19 @@ class Zero3Strategy(ZeroBase):
         return hook
 
     def _chunk_ready(self, index: int) -> None:
-        """Every gradient of the unit is in: stage them, free the unit, reduce-scatter."""
+        """Every gradient of the unit is in its staging buffer: free the unit, reduce-scatter."""
         c = self.chunks[index]
-        self._stage_and_reduce(c)
         self._free(c)
+        self._reduce_staged(c)
         c.extra["backward"] = False
-        c.grad_valid = True                # later micro-steps add into the shard
 
     def _after_backward(self) -> None:
         if not self._syncing:
             self._finish_reductions()
-
-    def _finish_reductions(self) -> None:
-        for c, work, temp, staging in self._reducing:
-            work.wait()
-            if temp is not None:
-                c.grad_shard.add_(temp)
-                self._comm_live -= storage_bytes(temp)
-            self._comm_live -= storage_bytes(staging)
-        self._reducing.clear()
 
     # -- ledger ---------------------------------------------------------------------------
     def _param_bytes(self) -> int:
         return sum(storage_bytes(c.shard) for c in self.chunks)
 
     def _grad_bytes(self) -> int:
-        return sum(storage_bytes(c.grad_shard) for c in self.chunks)
+        return self._grad_shard_bytes()

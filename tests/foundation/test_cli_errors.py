@@ -41,6 +41,8 @@ BAD = [
     (["--strategy", "zero1", "--grad-compression", "bf16"], "parallel.grad_compression = 'bf16'",
      "drop --grad-compression"),
     (["--strategy", "ddp", "--ps-mode", "async"], "parallel.ps_mode = 'async'", "drop --ps-mode"),
+    (["--strategy", "zero2", "--zero3-units", "Block"], "parallel.zero3_units = 'Block'",
+     "drop --zero3-units"),
     (["--strategy", "ddp", "--num-microbatches", "8"], "parallel.num_microbatches = 8",
      "--pp 2 or more"),
     # non-finite numbers

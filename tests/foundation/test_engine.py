@@ -66,3 +66,80 @@ def _resume(rank, n):
 def test_ddp_state_dict_resume_continues_identically():
     for straight, resumed in run_world(_resume, 2):
         assert straight == resumed
+
+
+# -- a model that returns a dict, a frozen layer, two parameter groups, clipping ---------------
+# Reference: plain PyTorch on the whole batch with torch.nn.utils.clip_grad_norm_; max_norm is
+# half the first step's unclipped norm (computed), so clipping binds. Tolerance fp32 rtol 1e-5,
+# atol 1e-6: single runs the same ops except the norm (a sum of squares here, torch's norm of
+# per-tensor norms: the clip coefficient differs in its last bits), dp sums 2 replicas'
+# gradients in another order; over 5 AdamW steps at lr 1e-2 that stays within ~100 ulps.
+class DictNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = nn.Linear(6, 6)
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return {"logits": self.body(self.frozen(x))}
+
+
+def _dict_loss(out, y):
+    return nn.functional.cross_entropy(out["logits"], y)
+
+
+def _groups(ps):
+    return torch.optim.AdamW([{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=1e-2)
+
+
+def _batches(n=5):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+
+
+def _plain_dict(max_norm):
+    model = DictNet()
+    opt = _groups([p for p in model.parameters() if p.requires_grad])
+    losses, norms = [], []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = _dict_loss(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def test_dict_outputs_frozen_groups_and_clipping_single_and_dp():
+    max_norm = 0.5 * _plain_dict(float("inf"))[1][0]
+    losses, norms, params = _plain_dict(max_norm)
+    frozen = {k: v for k, v in DictNet().named_parameters() if k.startswith("frozen")}
+    close = dict(rtol=1e-5, atol=1e-6)
+    for strategy in ("single", "dp"):
+        cfg = Config(parallel=ParallelConfig(strategy=strategy, replicas=2),
+                     train=TrainConfig(device="cpu", batch_size=8, grad_clip=max_norm))
+        engine = shardwise.prepare(DictNet(), _groups, cfg, loss_fn=_dict_loss)
+        got = [engine.train_step(*engine.shard(x, y)) for x, y in _batches()]
+        torch.testing.assert_close(got, losses, **close)
+        torch.testing.assert_close(engine.full_state_dict(), params, **close)
+        for k, v in frozen.items():
+            assert torch.equal(engine.full_state_dict()[k], v), (strategy, k)
+        loss, acc = engine.evaluate(*_batches(1)[0])   # a dict output: loss, no accuracy
+        assert acc is None and loss == loss
+        engine.close()
+    # the user's loop on single: engine.clip_grad_norm_ returns torch's norm and clips
+    cfg = Config(parallel=ParallelConfig(strategy="single"), train=TrainConfig(device="cpu"))
+    engine = shardwise.prepare(DictNet(), _groups, cfg, loss_fn=_dict_loss)
+    got = []
+    for x, y in _batches():
+        engine.optimizer.zero_grad()
+        engine.backward(engine.loss_fn(engine(x), y))
+        got.append(float(engine.clip_grad_norm_(max_norm)))
+        engine.step()
+    torch.testing.assert_close(got, norms, **close)
+    torch.testing.assert_close(engine.full_state_dict(), params, **close)

@@ -9,6 +9,7 @@ fraction of lr (1e-2) over 10 steps: 1e-5 absolute is 1/1000 of lr.
 from dataclasses import replace
 
 import pytest
+import torch
 
 from harness import assert_close_runs, run_world
 from reference import run, single_run, tiny_config
@@ -102,3 +103,91 @@ def test_mixed_precision_runs_under_tp_and_pp(strategy, parallel):
     assert bf16[-1] < bf16[0]               # and it trains
     # bf16 keeps 8 mantissa bits: after 12 steps the loss stays within 5% of fp32's
     assert abs(bf16[-1] - fp32[-1]) < 0.05 * fp32[-1]
+
+
+# -- the user's view: seeds differ per rank, two parameter groups, clipping, zero_grad ---------
+# Reference: rank 0's model (seed SEED) trained plainly on the whole batch with the same AdamW
+# groups and torch.nn.utils.clip_grad_norm_; max_norm is half the smallest unclipped norm.
+# lr 1e-3, constant (no warmup): at step 0 blocks.0.mlp.fc.weight[98, 22] gets -1.3e-8, a
+# cancellation of terms ~1e-3 whose last bits depend on the summation order; Adam's first update
+# is lr * g / (|g| + eps), ~0.56 lr, so reordering moves it by ~4e-3 lr: 1.3e-5 at lr 3e-3 (over
+# ATOL, tests/reference.py's Adam case), ~4e-6 at 1e-3.
+SEED, USER_STEPS, USER_LR = 100, 6, 1e-3
+
+
+def _groups(ps):
+    return torch.optim.AdamW([{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=USER_LR)
+
+
+def _user_cfg(max_norm, **parallel):
+    c = _cfg(**parallel)
+    return replace(c, train=replace(c.train, steps=USER_STEPS, grad_clip=max_norm))
+
+
+def _user_run(cfg, rank):
+    """pp = 1: the user's loop (optimizer.zero_grad, engine(x), backward, clip_grad_norm_, then
+    engine.step() or optimizer.step());
+    pp > 1: engine.train_step with train.grad_clip."""
+    from shardwise.api import prepare
+    from shardwise.data import build_data
+    from shardwise.models import build_model, loss_for
+    from shardwise.runtime import init_runtime
+    loop, max_norm = cfg.parallel.pp == 1, cfg.train.grad_clip
+    if loop:   # the loop clips by hand instead
+        cfg = replace(cfg, train=replace(cfg.train, grad_clip=0.0))
+    engine = prepare(build_model(cfg.model, SEED + rank), _groups, cfg,
+                     loss_fn=loss_for(cfg.model), runtime=init_runtime(cfg))
+    data, index_count = build_data(cfg), engine.strategy.data_shard()
+    losses, norms = [], []
+    for step in range(USER_STEPS):
+        x, y = data.batch(step, cfg.train.batch_size, *index_count)
+        if not loop:
+            losses.append(engine.train_step(x, y))
+            continue
+        engine.optimizer.zero_grad()                     # torch's default: set_to_none=True
+        loss = engine.loss_fn(engine(x), y)
+        engine.backward(loss)
+        norms.append(float(engine.clip_grad_norm_(max_norm)))
+        (engine.optimizer.step if step % 2 else engine.step)()   # the user's step, or ours
+        losses.append(engine.strategy.reduce_mean(loss.detach()))
+    return losses, norms, engine.full_state_dict()
+
+
+def _user_world(rank, n, configs):
+    return [_user_run(c, rank) for c in configs]
+
+
+def _plain(cfg, max_norm):
+    from shardwise.data import build_data
+    from shardwise.models import build_model, loss_for
+    model, data, loss_fn = build_model(cfg.model, SEED), build_data(cfg), loss_for(cfg.model)
+    opt = _groups(list(model.parameters()))
+    losses, norms = [], []
+    for step in range(USER_STEPS):
+        x, y = data.batch(step, cfg.train.batch_size, 0, 1)
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_seeds_groups_clipping_and_zero_grad_under_tp_pp_dp_and_zero1():
+    base = _user_cfg(0.0)
+    max_norm = 0.5 * min(_plain(base, float("inf"))[1])
+    ref_losses, ref_norms, ref_params = _plain(base, max_norm)
+    assert all(norm > max_norm for norm in ref_norms)            # clipping binds every step
+    configs = [_user_cfg(max_norm, dp=2, tp=2, zero1_over_dp=True),
+               _user_cfg(max_norm, dp=2, tp=2),
+               _user_cfg(max_norm, dp=2, pp=2, schedule="1f1b", zero1_over_dp=True),
+               _user_cfg(max_norm, tp=2, pp=2, schedule="gpipe")]
+    for rank, out in enumerate(run_world(_user_world, 4, configs)):
+        for cfg, (losses, norms, params) in zip(configs, out):
+            why = f"rank {rank}, {cfg.parallel}: {WHY}"
+            assert_close_runs(losses, ref_losses, params, ref_params, RTOL, ATOL, why=why)
+            if norms:
+                torch.testing.assert_close(norms, ref_norms, rtol=RTOL, atol=ATOL, msg=why)

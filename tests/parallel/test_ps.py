@@ -182,3 +182,46 @@ def test_a_hung_worker_is_named_and_the_rest_go_on(mode, policy):
 def test_sync_stop_names_the_failed_worker():
     with pytest.raises(RuntimeError, match=r"/job:ps/task:0: worker /job:worker/task:1 failed"):
         run_world(_hang_after, 3, _failure_cfg("sync", "stop"), 2, "raise", timeout=120)
+
+
+# -- a user's BatchNorm model: frozen parameter, buffers, clipping, seeds differ per rank -----
+# Reference: user_models.bn_reference over the 2 workers' shards (each normalised by its own
+# batch statistics; running statistics worker 0's, which ps 0 relays), rank 0's model, torch's
+# clip_grad_norm_ on the averaged gradient; max_norm half the smallest unclipped norm.
+# Tolerance as above (WHY), atol 1e-5 as in tests/reference.py (Adam, lr 1e-2); frozen: exact.
+def _bn_ps(rank, n, max_norm):
+    import torch.nn.functional as F
+
+    import shardwise
+    from shardwise.config import Config, ParallelConfig, TrainConfig
+    from user_models import bn_net, freeze, image_batches
+    model = bn_net(100 + rank)
+    freeze(model, ("head.bias",))
+    cfg = Config(parallel=ParallelConfig(strategy="ps", num_ps=2, ps_timeout=60.0),
+                 train=TrainConfig(batch_size=8, device="cpu", steps=6, grad_clip=max_norm))
+    engine = shardwise.prepare(model, _bn_adamw, cfg, loss_fn=F.cross_entropy)
+    losses = [engine.train_step(*engine.shard(x, y)) for x, y in image_batches(6, 8)]
+    state = engine.state_dict()["model"]              # a collective: buffers included
+    return losses, engine.full_state_dict(), {k: state[k] for k, _ in model.named_buffers()}
+
+
+def _bn_adamw(ps):
+    return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+
+
+def test_frozen_parameter_batchnorm_buffers_and_clipping_under_sync_ps():
+    from user_models import bn_net, bn_reference, freeze, image_batches
+
+    def reference(max_norm):
+        model = bn_net(100)
+        frozen = freeze(model, ("head.bias",))
+        return bn_reference(model, _bn_adamw, image_batches(6, 8), 2, max_norm), frozen
+
+    max_norm = 0.5 * min(reference(float("inf"))[0][3])
+    (losses, params, buffers, norms), frozen = reference(max_norm)
+    assert all(norm > max_norm for norm in norms)             # clipping binds every step
+    for rank, (got_losses, got_params, got_buffers) in enumerate(
+            run_world(_bn_ps, 4, max_norm, timeout=200)):
+        assert_close_runs(got_losses, losses, got_params, params, 1e-5, 1e-5, why=f"rank {rank}; {WHY}")
+        torch.testing.assert_close(got_buffers, buffers, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got_params["head.bias"], frozen["head.bias"])

@@ -59,3 +59,40 @@ def test_gpt_units_are_blocks_and_edges():
     assert [names[id(m)] for m, _ in units] == ["tok_emb", "pos_emb", "blocks.0", "blocks.1",
                                                 "ln_f", "head"]
     assert sum(len(ps) for _, ps in units) == len(list(model.parameters()))
+
+
+def test_units_by_policy_nested_tied_and_frozen():
+    from models_hf import tiny_gpt2
+    from shardwise.parallel.zero_stage3 import block_class
+    model = tiny_gpt2(0)
+    model.transformer.wpe.weight.requires_grad_(False)
+    assert block_class(model) == "GPT2Block"          # found below transformer.h, not a child
+    units = split_units(model, trainable_only=True)
+    names = {id(m): n for n, m in model.named_modules()}
+    assert [names[id(m)] for m, _ in units] == ["", "transformer.h.0", "transformer.h.1",
+                                                "transformer.ln_f"]
+    assert units[0][1] == [model.transformer.wte.weight]   # tied with lm_head: the root's
+    every = [p for _, ps in units for p in ps]
+    assert len(every) == len({id(p) for p in every}) == len(list(model.parameters())) - 1
+    mlp = split_units(model, ["GPT2MLP"])
+    assert sum(type(m).__name__ == "GPT2MLP" for m, _ in mlp) == 2
+    try:
+        split_units(model, ["NoSuchBlock"])
+    except ValueError as exc:
+        assert "zero3_units" in str(exc)
+    else:
+        raise AssertionError("an unknown unit class must be refused")
+
+
+def test_shard_runs_cut_groups_to_each_shard():
+    from shardwise.comm.flat import shard_runs
+    tensors = [torch.zeros(5), torch.zeros(4), torch.zeros(3)]   # groups 0, 0, 1; 12 -> 12
+    layout = FlatLayout.of(tensors, world=4)                       # shards of 3
+    runs = [shard_runs(layout, [0, 0, 1], r) for r in range(4)]
+    assert runs == [[(0, 0, 3)], [(0, 0, 3)], [(0, 0, 3)], [(1, 0, 3)]]
+    odd = FlatLayout.of([torch.zeros(4), torch.zeros(3)], world=2)   # 7 -> 8, shards of 4
+    assert [shard_runs(odd, ["a", "b"], r) for r in range(2)] == [[("a", 0, 4)], [("b", 0, 4)]]
+    mixed = FlatLayout.of([torch.zeros(3), torch.zeros(3)], world=2)  # shards of 3: a | b
+    assert shard_runs(mixed, ["a", "b"], 0) == [("a", 0, 3)]
+    assert shard_runs(FlatLayout.of([torch.zeros(2), torch.zeros(4)], 2), ["a", "b"], 0) == \
+        [("a", 0, 2), ("b", 2, 3)]

@@ -1,0 +1,169 @@
+"""Peak memory per rank of every data-parallel stage against PyTorch's own, in one run.
+
+    python -m benchmarks.memory                   # table on stdout, JSON to a temp folder
+    python -m benchmarks.memory --steps 4 --out /tmp/mem
+    python -m benchmarks.memory --save            # benchmarks/results/memory-57m.json
+
+The model is shardwise's GPT at 8 layers x 768 (12 heads, seq 128, byte vocabulary: 57.0M
+parameters, 228 MB in fp32), trained with AdamW in fp32 for a few steps at world 2 (global
+batch 4). Sides: shardwise ddp, zero1, zero2, zero3; torch DDP; torch FSDP2 (``fully_shard`` on
+each block, then the root). Each side runs in its own fresh forked gloo world.
+
+Measuring memory on CPU: glibc keeps freed memory for reuse, so peak RSS would read the same for
+every side. Each process first sets ``mallopt(M_MMAP_THRESHOLD, 131072)`` (what
+``MALLOC_MMAP_THRESHOLD_=131072`` in the environment does): blocks of 128 KiB or more are mapped
+on their own and go back to the OS when freed, so RSS tracks live bytes. ``peak`` is
+``ru_maxrss``; ``baseline`` is the resident memory after torch is imported and the process group
+is up, before the model is built; ``peak - baseline`` is what the training state cost, which is
+what a side's ledger (``memory_ledger()``: parameters, gradients, optimizer states, masters,
+transient buffers' high-water mark, saved activations) should account for.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+MODEL = {"n_layer": 8, "n_embd": 768, "n_head": 12, "block_size": 128, "vocab_size": 256}
+SIDES = ("ddp", "zero1", "zero2", "zero3", "torch-ddp", "fsdp2")
+MiB = 2 ** 20
+
+
+def _returning_malloc() -> None:
+    """mallopt(M_MMAP_THRESHOLD = -3, 128 KiB): freed large blocks return to the OS."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 131072)
+    except OSError:  # not glibc: RSS then over-reads every side alike
+        pass
+
+
+def _rss_now() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _cfg(strategy: str, steps: int, batch: int):
+    from benchmarks.harness import gpt_bench_config
+    return gpt_bench_config(strategy, model=MODEL, train={"steps": steps, "batch_size": batch})
+
+
+def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4) -> dict:
+    """Train ``kind`` for ``steps``; this rank's baseline, peak RSS, ledger and tokens/s."""
+    _returning_malloc()
+    from benchmarks.harness import threads_for, timed_steps
+    from shardwise.data import build_data
+    from shardwise.models import build_model, lm_loss
+    threads_for(world)
+    baseline = _rss_now()
+    cfg = _cfg(kind if kind in ("ddp", "zero1", "zero2", "zero3") else "single", steps, batch)
+    data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
+    params = sum(p.numel() for p in model.parameters())
+    ledger, per = None, batch // world
+    state = {"step": 0}
+    if kind in ("ddp", "zero1", "zero2", "zero3"):
+        import shardwise
+        from shardwise.api import optimizer_factory
+        from shardwise.runtime import init_runtime
+        engine = shardwise.prepare(model, optimizer_factory(cfg), cfg, loss_fn=lm_loss,
+                                   runtime=init_runtime(cfg))
+
+        def step():
+            x, y = data.batch(state["step"], batch, rank, world)
+            state["step"] += 1
+            engine.train_step(x, y)
+    else:
+        if kind == "torch-ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = DDP(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (world,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))
+
+        def step():
+            x, y = data.batch(state["step"], batch, rank, world)
+            state["step"] += 1
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    seconds = timed_steps(step, max(1, steps - 1), warmup=1)
+    if kind in ("ddp", "zero1", "zero2", "zero3"):
+        ledger = engine.strategy.memory_ledger()
+        engine.close()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"kind": kind, "params": params, "baseline": baseline, "peak": peak,
+            "ledger": ledger, "items_per_s": batch * cfg.model.block_size / seconds,
+            "rows_per_rank": per}
+
+
+def ledger_total(ledger: dict | None) -> int | None:
+    if ledger is None:
+        return None
+    return sum(v for k, v in ledger.items() if k != "on_disk")
+
+
+def measure(steps: int, batch: int, world: int = 2) -> dict:
+    from shardwise.testing import run_world
+    out = {}
+    for kind in SIDES:
+        ranks = run_world(side, world, kind, steps, batch, timeout=1800)
+        worst = max(ranks, key=lambda r: r["peak"])
+        out[kind] = {**worst, "peak_per_rank": [r["peak"] for r in ranks],
+                     "ledger_total": ledger_total(worst["ledger"])}
+        print(f"{kind:10s} peak {worst['peak'] / MiB:8,.0f} MiB  baseline "
+              f"{worst['baseline'] / MiB:6,.0f} MiB", flush=True)
+    return out
+
+
+def table(res: dict) -> str:
+    ddp, fsdp = res["torch-ddp"]["peak"], res["fsdp2"]["peak"]
+    lines = ["| side | peak RSS / rank (MiB) | vs torch DDP | vs FSDP2 | peak - baseline (MiB) "
+             "| ledger (MiB) | ledger / (peak - baseline) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    names = {"ddp": "shardwise DDP", "zero1": "shardwise ZeRO-1", "zero2": "shardwise ZeRO-2",
+             "zero3": "shardwise ZeRO-3", "torch-ddp": "torch DDP", "fsdp2": "torch FSDP2"}
+    for kind in SIDES:
+        r = res[kind]
+        used = r["peak"] - r["baseline"]
+        led = r["ledger_total"]
+        lines.append(f"| {names[kind]} | {r['peak'] / MiB:,.0f} | {r['peak'] / ddp:.2f} | "
+                     f"{r['peak'] / fsdp:.2f} | {used / MiB:,.0f} | "
+                     + (f"{led / MiB:,.0f} | {led / used:.2f} |" if led else "- | - |"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
+    ap.add_argument("--out", default="", help="folder for memory-57m.json (default: a temp dir)")
+    ap.add_argument("--save", action="store_true", help="write to benchmarks/results/")
+    args = ap.parse_args(argv)
+    from benchmarks.run import machine, results_dir
+    res = measure(args.steps, args.batch)
+    print(table(res))
+    out_dir = results_dir(args)
+    path = os.path.join(out_dir, "memory-57m.json")
+    with open(path, "w") as fh:
+        json.dump({"model": MODEL, "steps": args.steps, "batch": args.batch, "world": 2,
+                   "machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   "sides": res, "table": table(res)}, fh, indent=2)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""ZeRO's gradients, shared by stages 1-3: staging buffers and their reduce-scatters, the
+high-water marks of transient memory, the clipping hooks, fp16 loss-scale checks and the fp32
+gradient each master steps with. A mixin of :class:`~shardwise.parallel.zero_base.ZeroBase`
+(whose docstring states the rules: at most ``MAX_GRAD_BUFFERS`` whole-size buffers alive, a
+staging buffer freed as soon as its reduce-scatter finishes, gradient shards alive only from
+their reduce-scatter to the step).
+
+Collectives: ``zero_grad_rs`` (reduce-scatter over the dp group, through the strategy's
+ShardCollectives), ``zero_clip`` (all-reduce of the squared norm), ``zero_overflow`` (fp16).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardwise.comm.flat import alloc_storage, free_storage, storage_bytes
+from shardwise.parallel.base import grad_sq
+
+
+class ZeroGradients:
+    """Gradient staging, reduction, clipping and loss-scale checks for ZeroBase."""
+    MAX_GRAD_BUFFERS = 2      # whole-size gradient buffers alive at once (filling + reducing)
+
+    # -- transient memory -----------------------------------------------------------------
+    def _alloc(self, kind: str, nbytes: int) -> None:
+        """Account a transient buffer (staging / gathered); the ledger reports high-water marks."""
+        self._live[kind] += nbytes
+        self._peak[kind] = max(self._peak[kind], self._live[kind])
+        self._peak["total"] = max(self._peak["total"], sum(self._live.values()))
+
+    def _release(self, kind: str, nbytes: int) -> None:
+        self._live[kind] -= nbytes
+
+    # -- gradients: staging and reduce-scatter (stages 2-3) -------------------------------
+    def _stage_grad(self, c: Chunk, p: nn.Parameter) -> None:
+        """Make sure ``p``'s gradient lives in its chunk's staging buffer (see the docstring)."""
+        views = c.extra.get("views")
+        if views is None:                  # the chunk's first gradient in this backward
+            self._make_room()
+            staging = c.layout.new_flat(dtype=self.dtype, device=self.device)
+            self._alloc("staging", storage_bytes(staging))
+            views = dict(zip(c.params, c.layout.views(staging)))
+            for q, view in views.items():
+                if q.grad is not None:
+                    view.copy_(q.grad)
+                q.grad = view              # autograd adds the rest in place
+            c.extra.update(staging=staging, views=views)
+        elif p.grad.data_ptr() != views[p].data_ptr():   # autograd replaced the view
+            views[p].copy_(p.grad)
+            p.grad = views[p]
+
+    def _make_room(self) -> None:
+        """Before a new staging buffer: wait for the oldest reductions until one slot is free."""
+        filling = sum("views" in c.extra for c in self.chunks)
+        while self._reducing and len(self._reducing) + filling >= self.MAX_GRAD_BUFFERS:
+            self._retire(self._reducing.pop(0))
+
+    def _reduce_staged(self, c: Chunk) -> None:
+        """The chunk's gradients are all in its staging buffer: drop the ``.grad`` views and
+        reduce-scatter into ``grad_shard`` (or, when it already holds an accumulation
+        micro-step's gradient, into a temporary added on completion)."""
+        staging = c.extra.pop("staging")
+        c.extra.pop("views")
+        for p in c.params:
+            p.grad = None
+        temp = None
+        if not c.grad_valid:               # the step's first gradient: the shard comes to life
+            alloc_storage(c.grad_shard)
+        else:
+            temp = c.grad_shard.new_empty(c.grad_shard.shape)
+            self._alloc("staging", storage_bytes(temp))
+        work = self._reduce_scatter(temp if temp is not None else c.grad_shard, staging,
+                                    async_op=self.overlap)
+        c.grad_valid = True
+        self._reducing.append((c, work, temp, staging, "add"))
+        if not self.overlap:
+            self._retire(self._reducing.pop())      # already done: free the staging now
+
+    def _retire(self, entry: tuple) -> None:
+        """Wait for one reduce-scatter, fold its temporary in, free its buffers."""
+        c, work, temp, staging, mode = entry
+        work.wait()
+        if temp is not None:
+            c.grad_shard.add_(temp) if mode == "add" else c.grad_shard.copy_(temp)
+            self._release("staging", storage_bytes(temp))
+        if staging is not None:
+            self._release("staging", storage_bytes(staging))
+        c.grad_valid = True
+
+    def _finish_reductions(self) -> None:
+        """Phase 1: wait for every reduce-scatter, oldest first."""
+        while self._reducing:
+            self._retire(self._reducing.pop(0))
+
+    def _check_all_ready(self) -> None:
+        """ZeRO reduces a chunk only when all its gradients arrived: a parameter that got none
+        would leave its chunk unreduced (and the update silently wrong), so stop instead."""
+        missing = [c for c in self.chunks if c.trainable and not c.extra.get("readied", True)]
+        if missing:
+            names = [n for n, p in self.model.named_parameters()
+                     if any(p is q for c in missing for q in c.params) and p.grad is None][:5]
+            raise RuntimeError(f"{self.name}: some parameters got no gradient in this step "
+                               f"({names or 'in a partly used unit'}); ZeRO needs every parameter "
+                               "used in each forward; fix: use them all, or train with --strategy ddp "
+                               "--find-unused")
+
+    # -- clipping hooks (base.Strategy.clip_grad_norm_) -----------------------------------
+    def _finish_grad_sync(self) -> None:
+        self._check_all_ready()
+        self._finish_reductions()             # idempotent: nothing left to wait for the 2nd time
+
+    def _local_grad_sq(self) -> torch.Tensor:
+        """Squares of this rank's gradient shards (disjoint over the dp group; padding is 0)."""
+        sq = grad_sq([c.grad_shard for c in self.chunks], self.device)
+        return sq / (self.scale * self.scale) if self.scale != 1.0 else sq
+
+    def _sum_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:
+        self.comm.all_reduce(sq, self.group, op="sum", name="zero_clip")
+        return sq
+
+    def _scale_grads(self, coef: torch.Tensor) -> None:
+        self._grad_coef = coef if self._grad_coef is None else self._grad_coef * coef
+
+    def _zero_grads(self) -> None:
+        """Stages 2-3 free the gradient shards until the next backward fills them (so they do
+        not sit beside the activations at the start of backward); stage 1 zeroes its buckets."""
+        for c in self.chunks:
+            free_storage(c.grad_shard)
+
+    def _grad_shard_bytes(self) -> int:
+        """Bytes of every gradient shard while it lives (from the reduce-scatter to the step)."""
+        return sum(c.layout.shard_numel * c.shard.element_size() for c in self.chunks)
+
+    def _master_grad(self, c: Chunk) -> torch.Tensor:
+        """The chunk's fp32 gradient shard, unscaled (fp16) and clipped."""
+        g = c.grad_shard
+        if g.dtype != torch.float32 or g.device != c.master.device or self.scale != 1.0:
+            g = g.to(c.master.device, torch.float32, copy=True)
+            if self.scale != 1.0:
+                g.div_(self.scale)
+        if self._grad_coef is not None:
+            g.mul_(self._grad_coef.to(g.device))   # grad_shard is stale after the step anyway
+        return g
+
+    def _grads_finite(self) -> bool:
+        """fp16 only: skip the step (and halve the scale) when any rank saw inf / nan."""
+        if self.scale == 1.0 and self.dtype != torch.float16:
+            return True
+        bad = torch.zeros(1, device=self.device)
+        for c in self.chunks:
+            bad += (~torch.isfinite(c.grad_shard)).any().float()
+        self.comm.all_reduce(bad, self.group, op="max", name="zero_overflow")
+        if bad.item() > 0:
+            self.scale /= 2
+            self._clean_steps = 0
+            return False
+        self._clean_steps += 1
+        if self._clean_steps % 1000 == 0:
+            self.scale *= 2
+        return True

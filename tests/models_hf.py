@@ -1,0 +1,71 @@
+"""Models we did not write, built small and random (never downloaded), for equivalence tests:
+a Hugging Face GPT-2 (tied lm_head / wte, dict-like ModelOutput) and a BatchNorm CNN (buffers,
+float inputs). Shared by the data-parallel test files.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, SEQ = 67, 16
+
+
+def tiny_gpt2(seed: int, **overrides) -> nn.Module:
+    """GPT2LMHeadModel: 2 layers, width 32, 4 heads, vocabulary 67, 16 positions, no dropout,
+    weights tied (lm_head.weight is transformer.wte.weight), random init from ``seed``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                     bos_token_id=0, eos_token_id=0, **overrides)
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(cfg)
+
+
+def lm_loss(out, y: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on a ModelOutput read like a dict (``out["logits"]``)."""
+    logits = out["logits"]                                   # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def token_batches(steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random (x, y) token batches of shape (batch, SEQ), y = x shifted by one."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def two_groups(lr: float = 1e-2):
+    """An AdamW factory with two parameter groups: matrices decay (0.1), vectors do not."""
+    def make(params):
+        params = list(params)
+        return torch.optim.AdamW([
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=lr)
+    return make
+
+
+class BNNet(nn.Module):
+    """Two conv + BatchNorm layers and a linear head on (B, 1, 8, 8) float images, 3 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:     # (B, 1, 8, 8) -> (B, 3)
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)   # (B, 4, 4, 4)
+        return self.head(x.flatten(1))
+
+
+def image_batches(steps: int, batch: int, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 1, 8, 8, generator=g), torch.randint(0, 3, (batch,), generator=g))
+            for _ in range(steps)]
