@@ -124,3 +124,17 @@ def bn_reference(model: nn.Module, factory, batches, shards: int, max_norm: floa
         losses.append(total)
     return (losses, {k: v.detach().clone() for k, v in model.named_parameters()},
             {k: v.clone() for k, v in model.named_buffers()}, norms)
+
+
+class UserNet(nn.Module):
+    """A model shardwise did not write, with a branch that is unused on odd steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
+        self.extra = nn.Linear(10, 3)
+        self.use_extra = True
+
+    def forward(self, x):
+        out = self.body(x)
+        return out + self.extra(x) if self.use_extra else out

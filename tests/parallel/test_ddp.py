@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from user_models import UserNet
 from harness import assert_close_runs, run_world
 from reference import ATOL, RTOL, run, single_run, tiny_config
 from shardwise.comm.buckets import plan_buckets
@@ -84,20 +85,6 @@ def test_meter_shows_ring_traffic_2_n_minus_1_over_n_k():
         # no evaluation), the same on every rank
         per_step = res["native"][3]
         assert per_step == [native["bytes_sent"] / 3] * n
-
-
-class UserNet(nn.Module):
-    """A model shardwise did not write, with a branch that is unused on odd steps."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
-        self.extra = nn.Linear(10, 3)
-        self.use_extra = True
-
-    def forward(self, x):
-        out = self.body(x)
-        return out + self.extra(x) if self.use_extra else out
 
 
 def _user_model(rank, n, find_unused, steps):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from harness import run_world
 from reference import ATOL, RTOL
-from user_models import (bn_net, bn_reference, freeze, gpt2, gpt2_loss, image_batches,
+from user_models import (UserNet, bn_net, bn_reference, freeze, gpt2, gpt2_loss, image_batches,
                          plain_run, token_batches, two_groups)
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,20 +70,6 @@ def _hf_user_loop(rank, max_norm):
     return losses, norms, engine.full_state_dict()
 
 
-class Branchy(nn.Module):
-    """A branch that is unused on odd steps (on every rank)."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3))
-        self.extra = nn.Linear(10, 3)
-        self.use_extra = True
-
-    def forward(self, x):
-        out = self.body(x)
-        return out + self.extra(x) if self.use_extra else out
-
-
 def _adamw(ps):
     return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
 
@@ -97,7 +83,7 @@ def _branchy_batches():
 def _find_unused(rank):
     import shardwise
     torch.manual_seed(SEED + rank)
-    model = Branchy()
+    model = UserNet()
     cfg = _cfg(find_unused=True)
     engine = shardwise.prepare(model, _adamw, cfg, loss_fn=F.cross_entropy)
     for step, (x, y) in enumerate(_branchy_batches()):
@@ -146,7 +132,7 @@ def _frozen_gpt2():
 
 def _branchy_reference():
     torch.manual_seed(SEED)
-    model = Branchy()
+    model = UserNet()
     opt = _adamw(model.parameters())
     for step, (x, y) in enumerate(_branchy_batches()):
         model.use_extra = step % 2 == 0
