@@ -13,10 +13,33 @@ Measuring memory on CPU: glibc keeps freed memory for reuse, so peak RSS would r
 every side. Each process first sets ``mallopt(M_MMAP_THRESHOLD, 131072)`` (what
 ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment does): blocks of 128 KiB or more are mapped
 on their own and go back to the OS when freed, so RSS tracks live bytes. ``peak`` is
-``ru_maxrss``; ``baseline`` is the resident memory after torch is imported and the process group
-is up, before the model is built; ``peak - baseline`` is what the training state cost, which is
-what a side's ledger (``memory_ledger()``: parameters, gradients, optimizer states, masters,
-transient buffers' high-water mark, saved activations) should account for.
+``ru_maxrss``; ``baseline`` is the resident memory after torch is imported, the process group
+is up, the data is loaded and a first torch.optim optimizer has been built (it imports
+torch._dynamo, ~74 MiB that every side pays and no ledger holds), before the model is built;
+``peak - baseline`` is what the training state cost (plus what the process's first kernels
+fault in: thread pools, code pages), which is what a side's ledger should account for; ``ledger / (peak - baseline)`` is reported per side.
+
+Ledgers. Ours: ``strategy.memory_ledger()`` (shardwise/parallel/data/zero_ledger.py). The torch
+sides get one computed from the torch objects by :class:`TorchLedger`, same categories, bytes
+per rank:
+
+    parameters        the module's parameters as this rank stores them (FSDP2: the local
+                      shards of its DTensor parameters; DDP: the whole tensors)
+    gradients         ``p.grad`` right after backward (the largest over the steps; FSDP2: local
+                      shards of the reduced gradients)
+    optimizer_states  AdamW's exp_avg / exp_avg_sq (local shards for FSDP2)
+    master_weights    0 (fp32 training: no separate copy)
+    comm_buffers      derived from each implementation's schedule, not measured (their buffers
+                      are not visible from Python). DDP: its reducer's gradient buckets, a flat
+                      copy of every gradient (``gradient_as_bucket_view=False``, the default).
+                      FSDP2 on CPU (blocking collectives): 3 U + R, U = the largest unit's
+                      unsharded bytes, R = the root's: during a block's backward the block in
+                      use, the block prefetched before it and the block's unsharded gradients
+                      (or, during its reduce-scatter, its flat input and gloo's whole-size copy
+                      of it, beside the prefetched block)
+    activations_peak  distinct storages autograd saved in one forward, parameters (and FSDP2's
+                      unsharded parameters) excluded, via saved_tensors_hooks as
+                      ZeroLedger._measure_activations
 """
 from __future__ import annotations
 
@@ -63,9 +86,13 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4) -> di
     from shardwise.data import build_data
     from shardwise.models import build_model, lm_loss
     threads_for(world)
-    baseline = _rss_now()
     cfg = _cfg(kind if kind in ("ddp", "zero1", "zero2", "zero3") else "single", steps, batch)
-    data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
+    # what every side pays before it holds any training state: the data, and the modules the
+    # first torch.optim optimizer imports (torch._dynamo: ~74 MiB of resident code and data)
+    data = build_data(cfg)
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    baseline = _rss_now()
+    model = build_model(cfg.model, cfg.train.seed)
     params = sum(p.numel() for p in model.parameters())
     ledger, per = None, batch // world
     state = {"step": 0}
@@ -92,21 +119,74 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4) -> di
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))
+        book = TorchLedger(kind, model, opt)
 
         def step():
             x, y = data.batch(state["step"], batch, rank, world)
             state["step"] += 1
-            lm_loss(model(x), y).backward()
+            lm_loss(book.forward(x), y).backward()
+            book.after_backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
     seconds = timed_steps(step, max(1, steps - 1), warmup=1)
     if kind in ("ddp", "zero1", "zero2", "zero3"):
         ledger = engine.strategy.memory_ledger()
         engine.close()
+    else:
+        ledger = book.ledger()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"kind": kind, "params": params, "baseline": baseline, "peak": peak,
             "ledger": ledger, "items_per_s": batch * cfg.model.block_size / seconds,
             "rows_per_rank": per}
+
+
+def _local_bytes(tensors) -> int:
+    """Bytes this rank stores of each tensor (a DTensor's local shard)."""
+    out = 0
+    for t in tensors:
+        if t is not None:
+            t = getattr(t, "_local_tensor", t)
+            out += t.numel() * t.element_size()
+    return out
+
+
+class TorchLedger:
+    """The ledger of a torch DDP / FSDP2 side (categories: the module docstring)."""
+
+    def __init__(self, kind: str, model, opt):
+        self.kind, self.model, self.opt = kind, model, opt
+        self.grads = self.acts = 0
+
+    def forward(self, x):
+        seen: dict[int, int] = {}
+
+        def pack(t):      # FSDP2 swaps its unsharded parameters in during forward: look now
+            s = t.untyped_storage()
+            if s._cdata not in {p.untyped_storage()._cdata for p in self.model.parameters()}:
+                seen[s._cdata] = s.nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.model(x)
+        self.acts = max(self.acts, sum(seen.values()))
+        return out
+
+    def after_backward(self) -> None:
+        self.grads = max(self.grads, _local_bytes(p.grad for p in self.model.parameters()))
+
+    def ledger(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        states = [v for st in self.opt.state.values() for v in st.values()
+                  if torch.is_tensor(v) and v.dim() > 0]
+        if self.kind == "torch-ddp":
+            comm = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        else:
+            def full(m):
+                return sum(p.numel() * p.element_size() for p in m.parameters())
+            root = full(self.model) - sum(full(b) for b in self.model.blocks)
+            comm = 3 * max(full(b) for b in self.model.blocks) + root
+        return {"parameters": _local_bytes(params), "gradients": self.grads,
+                "optimizer_states": _local_bytes(states), "master_weights": 0,
+                "comm_buffers": comm, "activations_peak": self.acts, "on_disk": 0}
 
 
 def ledger_total(ledger: dict | None) -> int | None:

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from shardwise.config import Config
 from shardwise.data.sampler import shard_rows
-from shardwise.parallel import strategy_class
+from shardwise.layout import resolve
+from shardwise.parallel.compose import parallelize
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
 from shardwise.runtime import Runtime, init_runtime
 from shardwise.validate import validate
@@ -114,7 +115,10 @@ class Engine:
 
 def prepare(model: nn.Module, optimizer_factory: OptimizerFactory, config: Config | None = None,
             *, loss_fn: LossFn | None = None, runtime: Runtime | None = None) -> Engine:
-    """Wrap ``model`` for ``config.parallel.strategy`` in the launcher's world; build the optimizer.
+    """Wrap ``model`` for the config's layout in the launcher's world; build the optimizer.
+
+    The layout is ``config.parallel``'s strategy preset, axis sizes and ``zero_stage``
+    (shardwise/layout.py); shardwise/parallel/compose.py applies it in its documented order.
 
     optimizer_factory: called with the list of the model's trainable parameters (requires_grad;
     frozen ones are never given to an optimizer, so weight decay cannot move them) and returns a
@@ -123,12 +127,11 @@ def prepare(model: nn.Module, optimizer_factory: OptimizerFactory, config: Confi
     learn each one's group, then build the same optimizer type over one flat per group.
     loss_fn: (output, target) -> scalar mean loss; default cross-entropy.
     """
-    cfg = config or Config()
+    cfg = resolve(config or Config())
     rt = runtime or init_runtime(cfg)
     validate(cfg, rt.world_size)
-    cls = strategy_class(cfg.parallel.strategy)
-    strategy = cls(cfg, rt.mesh, rt.comm, rt.device, loss_fn or _default_loss)
-    strategy.wrap(model, optimizer_factory)
+    strategy = parallelize(model, optimizer_factory, cfg, rt.mesh, rt.comm, rt.device,
+                           loss_fn or _default_loss)
     return Engine(strategy, rt)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardwise.config import Config, ConfigError, flag_of, from_dict, load_file, section_fields
+from shardwise.config import Config, ConfigError, flag_of, from_dict, read_file, section_fields
 
 USAGE = """usage: shardwise COMMAND [options]
 
@@ -59,18 +59,25 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
-    """Defaults <- --config file <- flags. Raises ConfigError on a bad value."""
+    """Defaults <- --config file <- flags, then the layout resolved (shardwise/layout.py: a
+    strategy the person named is a preset the axis flags must agree with). Raises ConfigError
+    on a bad value."""
+    from shardwise import layout
     ap = train_parser()
     args = ap.parse_args(argv)
-    cfg = Config()
+    cfg, named = Config(), hasattr(args, "parallel.strategy")
     if getattr(args, "config", None):
-        cfg = load_file(args.config, cfg)
+        data = read_file(args.config)
+        cfg = from_dict(data, cfg)
+        section = data.get("parallel") if isinstance(data, dict) else None
+        named = named or (isinstance(section, dict) and "strategy" in section)
     overrides: dict = {}
     for key, value in vars(args).items():
         if "." in key:
             sec, name = key.split(".", 1)
             overrides.setdefault(sec, {})[name] = value
-    return from_dict(overrides, cfg), args
+    cfg = from_dict(overrides, cfg)
+    return layout.resolve(cfg, explicit_strategy=named), args
 
 
 def error(msg: str) -> int:
@@ -102,11 +109,12 @@ def cmd_train(argv: list[str]) -> int:
                          "on its own; fix: run 'shardwise train --strategy auto' without torchrun "
                          "(it launches the ranks itself), or pick a strategy")
         from shardwise.autoplan import choose
+        from shardwise.layout import resolve
         try:
             choice = choose(cfg)
+            cfg, argv = resolve(choice.config, explicit_strategy=True), [*argv, *choice.flags]
         except ConfigError as exc:
             return error(str(exc))
-        cfg, argv = choice.config, [*argv, *choice.flags]
         world = launch.world_size(cfg)
     if launch.under_launcher():
         return _train_rank(cfg)

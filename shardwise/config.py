@@ -69,7 +69,12 @@ class ParallelConfig:
     num_microbatches: int = _f(4, "pipeline: micro-batches per step")
     schedule: str = _f("1f1b", "pipeline schedule", ("gpipe", "1f1b"))
     stage_layers: str = _f("", "pipeline: blocks per stage, e.g. '1,3'; empty = balanced")
-    zero1_over_dp: bool = _f(False, "3d: shard optimizer states over the dp axis (ZeRO-1)")
+    zero_stage: int = _f(-1, "data-parallel stage over the dp axis: 0 replicate (DDP), 1 shard "
+                         "optimizer states (ZeRO-1), 2 + gradients, 3 + parameters; combines with"
+                         " --tp (any stage) and --pp (stages 0-1); -1 = the strategy's own "
+                         "(ddp 0, zeroN N, tp / pp / 3d 0)")
+    zero1_over_dp: bool = _f(False, "3d: shard optimizer states over the dp axis (the same as "
+                             "--zero-stage 1)")
     num_ps: int = _f(1, "parameter server: number of ps tasks")
     num_workers: int = _f(0, "parameter server: number of worker tasks; 0 = world - num_ps")
     ps_mode: str = _f("sync", "parameter server update rule", ("sync", "async", "ssp"))
@@ -213,6 +218,11 @@ def from_dict(data: dict, base: Config | None = None) -> Config:
 
 def load_file(path: str, base: Config | None = None) -> Config:
     """Load a TOML (.toml) or YAML (.yaml / .yml) file into a Config."""
+    return from_dict(read_file(path), base)
+
+
+def read_file(path: str) -> dict:
+    """The nested mapping a TOML (.toml) or YAML (.yaml / .yml) file holds."""
     if not os.path.isfile(path):
         raise ConfigError("--config", path, "no such file", "give the path of a .toml or .yaml file")
     try:
@@ -233,7 +243,7 @@ def load_file(path: str, base: Config | None = None) -> Config:
         raise
     except Exception as exc:  # a parse error: say where, without a traceback
         raise ConfigError("--config", path, f"cannot be parsed ({exc})", "fix the file's syntax") from None
-    return from_dict(data, base)
+    return data
 
 
 def to_dict(cfg: Config) -> dict:

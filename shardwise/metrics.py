@@ -67,7 +67,8 @@ def print_summary(summary: dict, console=None) -> None:
     t = Table(title=f"shardwise {summary['strategy']} · {summary['world_size']} process(es)")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    rows = [("steps", summary["steps"]), ("final train loss", f"{summary['final_loss']:.4f}"),
+    rows = [("layout", summary.get("layout", summary["strategy"])),
+            ("steps", summary["steps"]), ("final train loss", f"{summary['final_loss']:.4f}"),
             ("final val loss", f"{summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "-")]
     if summary.get("val_accuracy") is not None:
         rows.append(("val accuracy", f"{100 * summary['val_accuracy']:.2f}%"))

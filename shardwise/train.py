@@ -23,7 +23,7 @@ from shardwise.api import Engine, optimizer_factory, prepare
 from shardwise.comm.collectives import CollectiveError
 from shardwise.config import Config, to_dict
 from shardwise.data import build_data
-from shardwise.memory.checkpointing import apply_activation_checkpointing
+from shardwise.layout import describe
 from shardwise import rundir, stopping
 from shardwise.metrics import device_peak_flops, peak_memory_bytes, print_summary
 from shardwise.models import build_model, loss_for
@@ -75,8 +75,6 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     rt = runtime or init_runtime(cfg)
     data = build_data(cfg)
     model = build_model(cfg.model, cfg.train.seed)
-    if cfg.memory.activation_checkpointing:
-        apply_activation_checkpointing(model)
     flops_per_item = model.flops_per_token() if hasattr(model, "flops_per_token") else None
     engine = prepare(model, optimizer_factory(cfg), cfg, loss_fn=loss_for(cfg.model), runtime=rt)
     index, count = engine.strategy.data_shard()
@@ -171,7 +169,8 @@ def _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, pe
     # training traffic only: start-up broadcasts and evaluation are left out
     sent_per_step = train_sent / max(1, steps)
     return {
-        "strategy": cfg.parallel.strategy, "world_size": rt.world_size, "steps": steps,
+        "strategy": cfg.parallel.strategy, "layout": describe(cfg),
+        "world_size": rt.world_size, "steps": steps,
         "losses": losses, "final_loss": losses[-1], "val_loss": val[0], "val_accuracy": val[1],
         "throughput": rate, "throughput_unit": "tokens" if cfg.model.name == "gpt" else "samples",
         "mfu": (rate * flops_per_item / (peak * rt.world_size)) if (peak and flops_per_item) else None,

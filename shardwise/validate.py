@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 
+from shardwise import layout
 from shardwise.config import Config, ConfigError, MemoryConfig, ParallelConfig, section_fields
 
 # Strategies that run as one process (no torch.distributed world).
@@ -33,51 +34,24 @@ def _finite(cfg: Config) -> None:
                               f"give a number, e.g. {f.default}")
 
 
-# Settings that only some layouts read: (section, field) -> the strategies that use it. A value
-# other than the default under any other strategy would be silently ignored, so it is refused.
-_USED_BY = {
-    ("memory", "offload"): ("zero1", "zero2", "zero3"),
-    ("memory", "offload_dir"): ("zero1", "zero2", "zero3"),
-    ("parallel", "bucket_mb"): ("ddp", "zero1", "zero2"),
-    ("parallel", "overlap"): ("ddp", "zero1", "zero2", "zero3"),
-    ("parallel", "allreduce"): ("ddp", "zero1", "zero2", "zero3"),
-    ("parallel", "find_unused"): ("ddp",),
-    ("parallel", "zero3_units"): ("zero3",),
-    ("parallel", "grad_compression"): ("ddp",),
-    ("parallel", "replicas"): ("dp",),
-    ("parallel", "zero1_over_dp"): ("tp", "pp", "3d"),
-    ("parallel", "num_ps"): ("ps",),
-    ("parallel", "num_workers"): ("ps",),
-    ("parallel", "ps_mode"): ("ps",),
-    ("parallel", "staleness"): ("ps",),
-    ("parallel", "straggler"): ("ps",),
-    ("parallel", "on_worker_failure"): ("ps",),
-    ("parallel", "ps_timeout"): ("ps",),
-}
-_PIPELINE_ONLY = ("num_microbatches", "schedule", "stage_layers")
-
-
 def check_ignored(cfg: Config) -> None:
-    """Refuse a setting the chosen layout would not read (DESIGN.md: never silently dropped).
+    """Refuse a setting the chosen layout would not read (DESIGN.md: never silently dropped);
+    which layout reads what: shardwise/layout.py's ``reads``.
 
     Run by ``shardwise train`` on what the person typed or wrote in a config file. (The library's
     ``prepare()`` does not run it: reference runs in tests reuse one config across strategies.)"""
     p = cfg.parallel
     if p.strategy == "auto":
         return            # the planner picks the layout; it checks again after choosing
+    cfg = layout.resolve(cfg)
     defaults = {"parallel": ParallelConfig(), "memory": MemoryConfig()}
-    for (sec, name), users in _USED_BY.items():
+    for name, used in layout.reads(cfg).items():
+        sec = "memory" if name in ("offload", "offload_dir") else "parallel"
         value = getattr(getattr(cfg, sec), name)
-        if p.strategy not in users and value != getattr(defaults[sec], name):
-            raise ConfigError(f"{sec}.{name}", value, f"strategy {p.strategy} does not use it "
-                              f"(only {', '.join(users)} do)",
-                              f"drop --{name.replace('_', '-')}, or pick one of those strategies")
-    if p.pp == 1:
-        for name in _PIPELINE_ONLY:
-            value = getattr(p, name)
-            if value != getattr(defaults["parallel"], name):
-                raise ConfigError(f"parallel.{name}", value, "only a pipeline (pp > 1) uses it",
-                                  f"drop --{name.replace('_', '-')}, or set --pp 2 or more")
+        if not used and value != getattr(defaults[sec], name):
+            raise ConfigError(f"{sec}.{name}", value, f"the layout ({layout.describe(cfg)}) "
+                              "does not use it", f"drop --{name.replace('_', '-')}, or use "
+                              + layout.WHERE_READ.get(name, "--strategy ps"))
 
 
 def _positive(cfg: Config) -> None:
@@ -136,6 +110,11 @@ def _model(cfg: Config) -> None:
     if m.name == "gpt" and cfg.data.dataset in ("digits", "mnist", "fashion-mnist"):
         raise ConfigError("data.dataset", cfg.data.dataset, "the GPT needs a token corpus",
                           "use --model lenet for images, or --dataset stdlib")
+    if m.name == "lenet" and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        name = "parallel.tp" if cfg.parallel.tp > 1 else "parallel.pp"
+        raise ConfigError(name, max(cfg.parallel.tp, cfg.parallel.pp), "tensor and pipeline "
+                          "parallelism split the GPT's transformer blocks; LeNet has none",
+                          "use --dp with --zero-stage 0-3 for LeNet, or train the GPT")
     if m.name == "lenet" and cfg.memory.activation_checkpointing:
         raise ConfigError("memory.activation_checkpointing", True, "LeNet has no transformer blocks",
                           "drop --activation-checkpointing, or train the GPT")
@@ -191,10 +170,11 @@ def parse_straggler(spec: str, num_workers: int) -> dict[int, float]:
 def _runtime_checks(cfg: Config, world_size: int) -> None:
     """What the run would only discover after its processes started."""
     p, m = cfg.parallel, cfg.model
-    if p.strategy not in ("tp", "pp", "3d", "auto") and (p.tp > 1 or p.pp > 1):
+    if p.strategy not in layout.DATA_MODEL + ("auto",) and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.tp" if p.tp > 1 else "parallel.pp", p.tp if p.tp > 1 else p.pp,
                           f"strategy {p.strategy} does not split the model",
-                          "use --strategy tp, pp or 3d, or leave tp and pp at 1")
+                          "drop --strategy (the axis flags compose), or leave tp and pp at 1")
+    layout.resolve(cfg)      # a preset that contradicts the axis flags or the stage
     if p.stage_layers and p.pp > 1:
         parse_stage_layers(p.stage_layers, m.n_layer, p.pp)
     if p.straggler and p.strategy == "ps":

@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from shardwise.comm.flat import FlatLayout
+
 
 @dataclass
 class Bucket:
@@ -41,6 +43,7 @@ class Bucket:
 
 def plan_buckets(sizes_bytes: list[int], bucket_bytes: float) -> list[list[int]]:
     """Group parameter indices (given in registration order) into buckets, last parameters first.
+    The one bucket planner of every data-parallel stage (DDP's GradBuckets, ZeRO-1/2's chunks).
 
     A bucket is closed once it holds at least ``bucket_bytes``; a single large parameter gets a
     bucket of its own. ``bucket_bytes`` <= 0 puts every parameter in one bucket.
@@ -75,11 +78,10 @@ class GradBuckets:
             params = [named_params[i][1] for i in indices]
             names = [named_params[i][0] for i in indices]
             dtype, device = params[0].dtype, params[0].device
-            buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
-            offset = 0
-            for i, p in zip(indices, params):
-                self.views[i] = p.grad = buffer[offset: offset + p.numel()].view_as(p)
-                offset += p.numel()
+            layout = FlatLayout.of(params, 1)             # the one flat layout (comm/flat.py)
+            buffer = layout.new_flat(dtype=dtype, device=device)
+            for i, p, view in zip(indices, params, layout.views(buffer)):
+                self.views[i] = p.grad = view
             bucket = Bucket(b, params, names, buffer)
             self.buckets.append(bucket)
             for i in indices:

@@ -11,8 +11,8 @@ elements however odd the tensor sizes are (the padding is at most ``world - 1`` 
 holds zeros, which SGD / Adam / AdamW leave at zero). Reduce-scatter and all-gather then work on
 equal pieces, which is what the backend collectives (and a ring) need.
 
-:func:`bucket_indices` groups tensors into buckets of about ``bucket_bytes`` each; a strategy
-keeps one FlatLayout per bucket, so that each bucket's collective can start as soon as its
+shardwise/comm/buckets.plan_buckets groups tensors into buckets of about ``bucket_bytes`` each; a
+strategy keeps one FlatLayout per bucket, so that each bucket's collective can start as soon as its
 gradients are ready. Nothing here communicates: this module is pure layout and copying, shared by
 ZeRO (stages 1-3) and usable by any strategy that wants flat buffers.
 """
@@ -77,21 +77,6 @@ class FlatLayout:
         if tensors is not None:
             self.flatten_into(flat, tensors)
         return flat
-
-
-def bucket_indices(numels: list[int], bucket_numel: int) -> list[list[int]]:
-    """Consecutive groups of tensor indices, each about ``bucket_numel`` elements (at least one
-    tensor per group; a tensor larger than a bucket gets a bucket of its own)."""
-    groups, current, size = [], [], 0
-    for i, n in enumerate(numels):
-        if current and size + n > bucket_numel:
-            groups.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += n
-    if current:
-        groups.append(current)
-    return groups
 
 
 def free_storage(t: torch.Tensor) -> None:

@@ -9,6 +9,10 @@ Between two neighbouring stages each direction carries one kind of tensor (activ
 down, gradients come up), and messages in one direction are matched in the order posted, so a
 schedule whose k-th send matches the peer's k-th receive (the schedule checker proves it) needs
 no tags. Metered under ``pp_act`` (activations) and ``pp_grad`` (gradients).
+
+Overlap: a stage waits for what it receives (it computes on it next) but need not wait for what
+it sends; the executor leaves its sends in flight (``wait_sends=False``) and computes the next
+action while they drain, waiting for them all at the end of the step.
 """
 from __future__ import annotations
 
@@ -30,19 +34,27 @@ class P2POp:
     name: str = ACT       # meter name: ACT or GRAD
 
 
-def exchange(comm: Comm, group: Group, ops: list[P2POp]) -> None:
-    """Launch every op of the batch, then wait for all of them (receives are filled on return)."""
-    works = []
+def exchange(comm: Comm, group: Group, ops: list[P2POp], wait_sends: bool = True) -> list:
+    """Launch every op of the batch, then wait for its receives (filled on return) and, unless
+    ``wait_sends`` is False, its sends. With ``wait_sends=False`` the sends' Works are returned
+    still in flight: the caller computes while they drain and waits for them (keeping their
+    tensors alive) before the step ends."""
+    works, sends = [], []
     for op in ops:
         if op.peer == group.rank:
             raise ValueError(f"pipeline {op.kind} to itself (member {op.peer})")
         t = op.tensor if op.tensor.is_contiguous() else op.tensor.contiguous()
         if op.kind == "send":
-            works.append(comm.isend(t, op.peer, group, name=op.name))
+            sends.append((comm.isend(t, op.peer, group, name=op.name), t))
         else:
             works.append(comm.irecv(t, op.peer, group, name=op.name))
     for w in works:
         w.wait()
+    if wait_sends:
+        for w, _ in sends:
+            w.wait()
+        return []
+    return sends
 
 
 def send(comm: Comm, group: Group, t: torch.Tensor, peer: int, name: str = ACT) -> None:

@@ -10,11 +10,11 @@ import importlib.util
 
 STRATEGY_CLASSES = {
     "single": "shardwise.parallel.base:Strategy",
-    "ddp": "shardwise.parallel.ddp:DDPStrategy",
+    "ddp": "shardwise.parallel.data.ddp:DDPStrategy",
     "dp": "shardwise.parallel.dp:DataParallelStrategy",
-    "zero1": "shardwise.parallel.zero:Zero1Strategy",
-    "zero2": "shardwise.parallel.zero:Zero2Strategy",
-    "zero3": "shardwise.parallel.zero:Zero3Strategy",
+    "zero1": "shardwise.parallel.data.zero:Zero1Strategy",
+    "zero2": "shardwise.parallel.data.zero:Zero2Strategy",
+    "zero3": "shardwise.parallel.data.zero:Zero3Strategy",
     "tp": "shardwise.parallel.hybrid:HybridStrategy",
     "pp": "shardwise.parallel.hybrid:HybridStrategy",
     "3d": "shardwise.parallel.hybrid:HybridStrategy",

@@ -136,6 +136,8 @@ class Strategy:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.grad_accum = cfg.memory.grad_accum
+        self.plan = None      # a TensorPlan when the model is tensor-parallel (compose.py)
+        self._act_peak = 0    # bytes autograd saved for backward in one forward, at most
 
     # -- set-up ---------------------------------------------------------------------------
     def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
@@ -150,6 +152,23 @@ class Strategy:
     def forward(self, x: torch.Tensor):
         with self.autocast():
             return self.model(x)
+
+    @contextlib.contextmanager
+    def _measure_activations(self):
+        """Sum the distinct storages autograd saves for backward (parameters and views of them
+        excluded; ``_cdata`` names a storage itself, which ZeRO-3's release and refill keep);
+        the ledger's ``activations_peak`` is the largest such sum of one forward."""
+        seen: dict[int, int] = {}
+        weights = {p.untyped_storage()._cdata for p in self.model.parameters()}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s._cdata not in weights:
+                seen[s._cdata] = s.nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self._act_peak = max(self._act_peak, sum(seen.values()))
 
     def autocast(self):
         """The mixed-precision context (memory.mixed_precision) every strategy's forward uses."""
@@ -192,10 +211,14 @@ class Strategy:
         return [p.grad for p in self.model.parameters() if p.requires_grad and p.grad is not None]
 
     def _local_grad_sq(self) -> torch.Tensor:
-        return grad_sq(self._grads(), self.device)
+        if self.plan is None:
+            return grad_sq(self._grads(), self.device)
+        return grad_sq([p.grad for n, p in self.model.named_parameters() if p.requires_grad
+                        and p.grad is not None and self.plan.counts(n)], self.device)
 
     def _sum_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:
-        return sq
+        """Over the tensor-parallel group when the model is split (each entry counted once)."""
+        return sq if self.plan is None else self.plan.sum_sq(sq)
 
     def _scale_grads(self, coef: torch.Tensor) -> None:
         for g in self._grads():
@@ -244,8 +267,13 @@ class Strategy:
 
     # -- state ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the whole model, by its original name, on CPU."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.named_parameters()}
+        """Every parameter of the whole model, by its original name, on CPU (tensor-parallel
+        pieces gathered: a collective over tp)."""
+        return self._whole({k: v.detach().cpu().clone() for k, v in self.model.named_parameters()})
+
+    def _whole(self, state: dict) -> dict:
+        """Gather the tensor-parallel pieces of a by-name state (identity without tp)."""
+        return state if self.plan is None else self.plan.gather(state, self.device)
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}

@@ -161,3 +161,33 @@ def gather_tp(t: torch.Tensor, spec: ShardSpec, comm: Comm, group: Group) -> tor
         for r, n in enumerate(sizes):
             pieces.append(out[r * width + j * n: r * width + (j + 1) * n])
     return torch.cat(pieces).movedim(0, spec.dim).contiguous()
+
+
+@dataclass
+class TensorPlan:
+    """What a data-parallel stage must know of the tensor-parallel split it runs on.
+
+    ``specs``: the split parameters by name (the rest are replicated over tp, with identical
+    gradients on every tp rank). Clipping counts a split parameter on every tp rank and a
+    replicated one on tp rank 0 only, then sums over tp (meter ``grad_norm_tp``); the full state
+    dict gathers each split parameter from the tp group. ``stages``: the pipeline group, whose
+    stages' squares are summed as well."""
+    specs: dict
+    comm: Comm
+    group: Group
+    stages: Group | None = None   # pipeline: each stage holds its own layers, summed over pp too
+
+    def counts(self, name: str) -> bool:
+        return name in self.specs or self.group.rank == 0
+
+    def sum_sq(self, sq: torch.Tensor) -> torch.Tensor:
+        t = sq.reshape(1).clone()
+        self.comm.all_reduce(t, self.group, name="grad_norm_tp")
+        if self.stages is not None:
+            self.comm.all_reduce(t, self.stages, name="grad_norm_pp")
+        return t[0]
+
+    def gather(self, state: dict, device: torch.device) -> dict:
+        """Each split tensor of a by-name CPU state whole (gathered on ``device``)."""
+        return {n: (gather_tp(t.to(device), self.specs[n], self.comm, self.group).cpu()
+                    if n in self.specs else t) for n, t in state.items()}

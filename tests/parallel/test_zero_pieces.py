@@ -1,10 +1,10 @@
 """The pieces under ZeRO, without a world: flat layouts and shards, storage release, offload."""
 import torch
 
-from shardwise.comm.flat import (FlatLayout, alloc_storage, bucket_indices, free_storage,
+from shardwise.comm.flat import (FlatLayout, alloc_storage, free_storage,
                                  storage_bytes)
 from shardwise.memory.offload import OffloadStore, prefill_adam_state
-from shardwise.parallel.zero_stage3 import split_units
+from shardwise.parallel.data.zero_stage3 import split_units
 from shardwise.models.gpt import GPT, GPTConfig
 
 
@@ -19,13 +19,6 @@ def test_layout_pads_to_world_and_round_trips():
     shards = [layout.shard(flat, r) for r in range(4)]
     assert torch.equal(torch.cat(shards), flat)
     assert shards[1].data_ptr() == flat.data_ptr() + 7 * flat.element_size()
-
-
-def test_buckets_are_consecutive_and_bounded():
-    numels = [5, 5, 20, 1, 1, 1]
-    groups = bucket_indices(numels, 10)
-    assert [i for g in groups for i in g] == list(range(len(numels)))
-    assert groups == [[0, 1], [2], [3, 4, 5]]       # a tensor larger than a bucket stands alone
 
 
 def test_free_and_alloc_storage_keep_views_alive():
@@ -63,7 +56,7 @@ def test_gpt_units_are_blocks_and_edges():
 
 def test_units_by_policy_nested_tied_and_frozen():
     from models_hf import tiny_gpt2
-    from shardwise.parallel.zero_stage3 import block_class
+    from shardwise.parallel.data.zero_stage3 import block_class
     model = tiny_gpt2(0)
     model.transformer.wpe.weight.requires_grad_(False)
     assert block_class(model) == "GPT2Block"          # found below transformer.h, not a child
@@ -96,3 +89,23 @@ def test_shard_runs_cut_groups_to_each_shard():
     assert shard_runs(mixed, ["a", "b"], 0) == [("a", 0, 3)]
     assert shard_runs(FlatLayout.of([torch.zeros(2), torch.zeros(4)], 2), ["a", "b"], 0) == \
         [("a", 0, 2), ("b", 2, 3)]
+
+
+def test_ddp_and_zero_buckets_come_from_one_planner():
+    """DDP's gradient buckets and ZeRO-1/2's chunks hold the same parameters, last layers first."""
+    import shardwise
+    from shardwise.config import Config, ParallelConfig
+    plans = {}
+    for strategy in ("ddp", "zero1", "zero2"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=8, vocab_size=64))
+        names = {id(p): n for n, p in model.named_parameters()}
+        cfg = Config(parallel=ParallelConfig(strategy=strategy, bucket_mb=0.01))
+        engine = shardwise.prepare(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), cfg)
+        s = engine.strategy
+        groups = s.buckets.buckets if strategy == "ddp" else s.chunks
+        plans[strategy] = [[names[id(p)] for p in g.params] for g in groups]
+        last = list(names.values())[-1]
+    assert len(plans["ddp"]) > 2
+    assert plans["ddp"] == plans["zero1"] == plans["zero2"]
+    assert plans["ddp"][0][0] == last          # the last registered parameter fills first

@@ -8,6 +8,10 @@ B i: backward from the loss (last stage) or from the received output gradient; t
 gradient is what SEND_B sends back. Activations of micro-batch i are dropped after B i, and the
 number of micro-batches held at once is recorded (its peak is GPipe's m or 1F1B's p - s).
 
+Sends do not block: their Works stay in flight while the stage computes the next action and
+are waited at the end of the step (comm/p2p.py); receives are waited before the action that
+uses them.
+
 Records: ``(op, mb, t0, t1)`` per action with wall-clock times (time.time(), comparable between
 processes of one host), for timeline.py.
 """
@@ -46,14 +50,20 @@ class PipelineExecutor:
         self.is_first, self.is_last = self.index == 0, self.index == self.num_stages - 1
 
     def run(self, actions: list[Action], xs: list[torch.Tensor], ys: list[torch.Tensor],
-            act_shape: tuple, loss_scale: float) -> tuple[torch.Tensor, StepRecord]:
+            act_shape: tuple, loss_scale: float, on_backward=None) -> tuple[torch.Tensor, StepRecord]:
         """One step of the schedule; returns (sum of scaled micro-batch losses, the record).
-        The loss is only meaningful on the last stage (zero elsewhere)."""
+        The loss is only meaningful on the last stage (zero elsewhere). ``on_backward(mb,
+        last)``, when given, runs before each micro-batch's backward (``last``: this stage's
+        final backward of the step; data parallelism reduces during that one)."""
         self._xs, self._ys, self._shape, self._scale = xs, ys, act_shape, loss_scale
+        backwards = [a.mb for a in actions if a.op == "B"]
+        self._last_b = backwards[-1] if backwards else None
+        self._on_backward = on_backward
         self._inputs: dict[int, torch.Tensor] = {}     # received activations (need their grad)
         self._outputs: dict[int, torch.Tensor] = {}    # stage outputs (or scaled losses)
         self._grads: dict[int, torch.Tensor] = {}      # received output gradients
         self._loss = torch.zeros((), device=self.device)
+        self._in_flight: list = []                     # sends still draining (work, tensor)
         rec = StepRecord(self.index)
         for step in steps(actions):
             t0 = time.time()
@@ -63,6 +73,9 @@ class PipelineExecutor:
             else:
                 self._transfer(step)
             rec.records.append(("+".join(a.op for a in step), step[0].mb, t0, time.time()))
+        for work, _ in self._in_flight:                # the step's sends have all arrived
+            work.wait()
+        self._in_flight.clear()
         return self._loss, rec
 
     def _F(self, i: int) -> None:
@@ -78,6 +91,8 @@ class PipelineExecutor:
         self._outputs[i] = out
 
     def _B(self, i: int) -> None:
+        if self._on_backward is not None:
+            self._on_backward(i, i == self._last_b)
         out = self._outputs.pop(i)
         if self.is_last:
             out.backward()
@@ -100,7 +115,8 @@ class PipelineExecutor:
                 buf = torch.empty(self._shape, device=self.device)
                 self._grads[a.mb] = buf
                 ops.append(P2POp("recv", buf, self.index + 1, GRAD))
-        exchange(self.comm, self.group, ops)
+        # receives are waited (the next action computes on them); sends drain while it does
+        self._in_flight += exchange(self.comm, self.group, ops, wait_sends=False)
         for a in batch:
             if a.op == "RECV_F":
                 self._inputs[a.mb].requires_grad_(True)

@@ -21,14 +21,19 @@ Per unit and step:
     backward  output-gradient hook: all-gather the unit again, start the previous unit's
               all-gather; gradients accumulate into the unit's staging buffer (zero_base.py);
               when the last one arrives, free the unit and reduce-scatter the buffer into this
-              rank's gradient shard (the buffer is freed when that finishes)
+              rank's gradient shard, blocking (as FSDP2 on CPU), and free the buffer
     step      wait for the reduce-scatters, step each unit's fp32 master shard (zero_base.py);
               nothing to gather: the next forward gathers
 
 Memory per rank (Adam): 16P/N for both mixed precision (2 + 2 + 4 + 8 bytes per parameter) and
 fp32 (4 + 4 + 8), plus transient buffers (``comm_buffers``, the high-water mark): at most two
 whole units gathered (the one in use and one prefetched; the root unit besides, when it holds
-parameters) and at most two whole-size gradient buffers (one filling, one reducing). Traffic per
+parameters), one whole-size gradient buffer in backward (and a 1/N temporary when it is added
+to an accumulated shard; zero_grads.py allows two buffers), and on gloo the backend's
+whole-size copy of each collective in flight (zero_ledger.py). Measured at 57M parameters
+(benchmarks/memory.py): an asynchronous reduce-scatter kept its buffer and gloo's copy alive
+through the next unit's backward, beside that unit, the prefetched one and its filling buffer
+(peak 1.08x FSDP2's); blocking it (the prefetch still overlaps) brought it to 1.0x. Traffic per
 step: 3(N-1)/N K (two all-gathers and one reduce-scatter), 1.5x DDP. With ``overlap`` off nothing
 is prefetched and every collective blocks. Reference: ZeRO (SC 2020), "P_os+g+p"; Zhao et al.,
 "PyTorch FSDP" (VLDB 2023) for the unit / prefetch / reshard-after-forward structure.
@@ -42,7 +47,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from shardwise.comm.flat import alloc_storage, free_storage, storage_bytes
-from shardwise.parallel.zero_base import Chunk, ZeroBase
+from shardwise.parallel.data.zero_base import Chunk, ZeroBase
 
 FREE, INFLIGHT, HELD = "free", "inflight", "held"
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -120,8 +125,9 @@ class Zero3Strategy(ZeroBase):
 
     Partition: rank r owns slice r of every unit's flat parameters, gradients, fp32 masters and
     optimizer state. Collectives: all-gather per unit before forward and again before backward
-    (prefetching the next unit), reduce-scatter per unit after its backward. Memory per rank:
-    16P/N (Adam, mixed precision or fp32) + two whole units and two gradient buffers. Traffic
+    (prefetching the next unit), reduce-scatter per unit after its backward (blocking). Memory
+    per rank: 16P/N (Adam, mixed precision or fp32) + two whole units and one gradient buffer (at
+    most two), and gloo's copies of collectives in flight. Traffic
     per step: 3(N-1)/N K, 1.5x DDP. Reference: ZeRO (SC 2020), "P_os+g+p".
     """
     name, stage = "zero3", 3
@@ -148,6 +154,8 @@ class Zero3Strategy(ZeroBase):
             return
         alloc_storage(c.full)
         self._alloc("gathered", storage_bytes(c.full))
+        c.extra["backend"] = self._backend_bytes(storage_bytes(c.full))   # gloo's own copy
+        self._alloc("backend", c.extra["backend"])
         c.extra["work"] = self._all_gather(c.full, c.shard, async_op=async_op)
         c.extra["state"] = INFLIGHT
 
@@ -155,8 +163,12 @@ class Zero3Strategy(ZeroBase):
         """Make sure the whole unit is here (waiting for a prefetch if one is in flight)."""
         self._start_gather(c, async_op=False)
         if c.extra["state"] == INFLIGHT:
-            c.extra["work"].wait()
-            c.extra["work"], c.extra["state"] = None, HELD
+            self._wait_gather(c)
+
+    def _wait_gather(self, c: Chunk) -> None:
+        c.extra["work"].wait()
+        self._release("backend", c.extra.pop("backend"))
+        c.extra["work"], c.extra["state"] = None, HELD
 
     def _prefetch(self, index: int, backward: bool) -> None:
         if self.overlap and 0 <= index < len(self.chunks):
@@ -166,7 +178,7 @@ class Zero3Strategy(ZeroBase):
 
     def _free(self, c: Chunk) -> None:
         if c.extra["state"] == INFLIGHT:
-            c.extra["work"].wait()
+            self._wait_gather(c)
         if c.extra["state"] != FREE:
             self._release("gathered", storage_bytes(c.full))
             free_storage(c.full)
@@ -196,10 +208,14 @@ class Zero3Strategy(ZeroBase):
         return hook
 
     def _chunk_ready(self, index: int) -> None:
-        """Every gradient of the unit is in its staging buffer: free the unit, reduce-scatter."""
+        """Every gradient of the unit is in its staging buffer: free the unit, reduce-scatter.
+        The reduce-scatter blocks (as FSDP2's does on CPU): in flight it would keep the staging
+        buffer and the backend's whole-size copy alive across the next unit's backward, beside
+        that unit, the prefetched one and the next staging buffer; the overlap kept in backward
+        is the prefetched all-gather, which runs during the unit's own backward."""
         c = self.chunks[index]
         self._free(c)
-        self._reduce_staged(c)
+        self._reduce_staged(c, async_op=False)
         c.extra["backward"] = False
 
     def _after_backward(self) -> None:

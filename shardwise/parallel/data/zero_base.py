@@ -1,7 +1,7 @@
 """What ZeRO stages 1, 2 and 3 share: sharded chunks, gradient staging, the chunked optimizer
 step, parameter groups, frozen parameters, buffers, clipping, the state dicts and the ledger
 (gradient staging, reduction, clipping and loss-scale checks: zero_grads.py; state dicts:
-zero_state.py; both mixins of :class:`ZeroBase`).
+zero_state.py; the memory ledger: zero_ledger.py; all mixins of :class:`ZeroBase`).
 
 A :class:`Chunk` is one flat, padded group of the model's *trainable* parameters (a gradient
 bucket in stages 1-2, a unit such as one transformer block in stage 3; shardwise/comm/flat.py).
@@ -55,10 +55,11 @@ from torch.utils._pytree import tree_map
 from shardwise.comm.flat import FlatLayout, shard_runs
 from shardwise.memory.amp import DTYPES
 from shardwise.memory.offload import OffloadStore, prefill_adam_state
-from shardwise.parallel.base import Strategy, optimizer_state_bytes, tensor_bytes
-from shardwise.parallel.zero_comm import ShardCollectives
-from shardwise.parallel.zero_grads import ZeroGradients
-from shardwise.parallel.zero_state import ZeroStateMixin
+from shardwise.parallel.base import Strategy
+from shardwise.comm.reducer import Reducer
+from shardwise.parallel.data.zero_grads import ZeroGradients
+from shardwise.parallel.data.zero_ledger import ZeroLedger
+from shardwise.parallel.data.zero_state import ZeroStateMixin
 
 
 @dataclass(eq=False)
@@ -105,7 +106,7 @@ class ParamGroups:
         return ParamGroups(type(probe), defaults, options, index)
 
 
-class ZeroBase(ZeroStateMixin, ZeroGradients, Strategy):
+class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
     """The parts of ZeRO every stage shares; subclasses build chunks and move gradients."""
     stage = 0
 
@@ -121,12 +122,10 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, Strategy):
         self._clean_steps = 0
         self._syncing = True
         self._ag_name = "zero_param_ag"
-        self._live = {"staging": 0, "gathered": 0}     # transient bytes now, by kind
-        self._peak = {"staging": 0, "gathered": 0, "total": 0}   # their high-water marks
-        self._act_peak = 0
+        self._init_ledger()                            # transient buffers (zero_ledger.py)
         self._grad_coef = None                         # clipping coefficient of this step
-        self._reducing: list[tuple] = []               # (chunk, work, temp, staging, mode)
-        self.collectives = ShardCollectives(comm, self.group, cfg.parallel.allreduce == "ring")
+        self._reducing: list[tuple] = []               # (chunk, work, temp, staging, mode, backend)
+        self.collectives = Reducer(comm, self.group, cfg.parallel.allreduce == "ring")
         self._ring = self.collectives.ring
 
     # -- building chunks ------------------------------------------------------------------
@@ -179,6 +178,11 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, Strategy):
                 groups[g]["params"].append(view)
         self.optimizer = self._groups.cls(groups, **self._groups.defaults)
         prefill_adam_state(self.optimizer, self.store)
+        # a user's loop: optimizer.step() is the strategy's step (reduce, update each chunk,
+        # gather; gradients dropped), and zero_grad has nothing left to drop; inside, the
+        # chunked step calls the class's own step (_optimizer_step)
+        self.optimizer.step = lambda closure=None: self._user_step(closure)
+        self.optimizer.zero_grad = lambda set_to_none=True: None
         self._chunk_of = {p: i for i, c in enumerate(self.chunks) for p in c.params}
         for p in self._chunk_of:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -196,6 +200,20 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, Strategy):
 
     def _chunk_ready(self, index: int) -> None:
         raise NotImplementedError
+
+    def _counted(self, c: Chunk) -> list[tuple[int, int]]:
+        """[a, b) ranges of this rank's shard of ``c`` whose squares it adds to the global norm
+        under tensor parallelism (self.plan: split parameters always, replicated on tp rank 0)."""
+        if "counted" not in c.extra:
+            names = {p: n for n, p in self.model.named_parameters()}
+            lo, hi = c.layout.shard_range(self.group.rank)
+            ranges = []
+            for p, offset in zip(c.params, c.layout.offsets):
+                a, b = max(offset, lo), min(offset + p.numel(), hi)
+                if a < b and self.plan.counts(names[p]):
+                    ranges.append((a - lo, b - lo))
+            c.extra["counted"] = ranges
+        return c.extra["counted"]
 
     # -- collectives ---------------------------------------------------------------------
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool):
@@ -251,6 +269,12 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, Strategy):
         self._zero_grads()
         self._sync_buffers()
 
+    def _user_step(self, closure=None):
+        if closure is not None:
+            raise ValueError(f"{self.name}: optimizer.step(closure) is not supported (the step "
+                             "runs chunk by chunk); fix: call backward yourself, then step()")
+        self.step()
+
     def _after_chunk_step(self, index: int) -> None:
         """Stages 1-2 launch the chunk's all-gather here."""
 
@@ -261,7 +285,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, Strategy):
             g = self._master_grad(c)
             for _, lo, hi, view in c.masters:
                 view.grad = g[lo:hi]
-            self.optimizer.step()                          # only this chunk's masters have .grad
+            type(self.optimizer).step(self.optimizer)      # only this chunk's masters have .grad
             states = []
             for _, _, _, view in c.masters:
                 view.grad = None
@@ -292,50 +316,6 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, Strategy):
             return super().evaluate(x, y)
         finally:
             self._ag_name = "zero_param_ag"
-
-    @contextlib.contextmanager
-    def _measure_activations(self):
-        """Sum the distinct storages autograd saves for backward (parameters excluded)."""
-        seen: dict[int, int] = {}
-        # parameters and views of them (the chunks' flat storages) are not activations; _cdata
-        # names a storage itself, which stage 3's release and refill keep
-        weights = {p.untyped_storage()._cdata for p in self.model.parameters()}
-
-        def pack(t):
-            s = t.untyped_storage()
-            if s._cdata not in weights:
-                seen[s._cdata] = s.nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        self._act_peak = max(self._act_peak, sum(seen.values()))
-
-    # -- memory ledger --------------------------------------------------------------------
-    def memory_ledger(self) -> dict[str, int]:
-        """Bytes this rank holds by category. ``comm_buffers`` is the high-water mark of every
-        transient buffer together (gradient staging and temporaries, and in stage 3 gathered
-        units); :meth:`transient_peaks` splits it. ``on_disk``: what disk offload keeps off RAM."""
-        masters = [c.master for c in self.chunks if c.master.data_ptr() != c.shard.data_ptr()]
-        master_bytes = tensor_bytes(masters)
-        state_bytes = optimizer_state_bytes(self.optimizer)
-        on_disk = 0
-        if self.store.place == "disk":
-            on_disk, master_bytes, state_bytes = master_bytes + state_bytes, 0, 0
-        return {"parameters": self._param_bytes() + tensor_bytes(self.frozen),
-                "gradients": self._grad_bytes(), "optimizer_states": state_bytes,
-                "master_weights": master_bytes, "comm_buffers": self._peak["total"],
-                "activations_peak": self._act_peak, "on_disk": on_disk}
-
-    def transient_peaks(self) -> dict[str, int]:
-        """High-water marks: ``staging`` (whole-size gradient buffers and temporaries),
-        ``gathered`` (stage 3's whole units), ``total`` (both at once)."""
-        return dict(self._peak)
-
-    def _param_bytes(self) -> int:
-        raise NotImplementedError
-
-    def _grad_bytes(self) -> int:
-        raise NotImplementedError
 
 
 def _cast(t, dtype: torch.dtype):

@@ -1,6 +1,6 @@
 """ZeRO's state: the gathered full state dict (every parameter by name, fp32) and the per-rank
 checkpoint (this rank's master shards, optimizer state, loss scale, buffers and frozen
-parameters). A mixin of :class:`~shardwise.parallel.zero_base.ZeroBase`; it reads the chunks,
+parameters). A mixin of :class:`~shardwise.parallel.data.zero_base.ZeroBase`; it reads the chunks,
 the optimizer and the store the strategy built.
 
 Collectives: ``full_state_dict`` all-gathers each chunk's fp32 master (meter ``zero_state_ag``);
@@ -28,7 +28,7 @@ class ZeroStateMixin:
         for n, p in self.model.named_parameters():
             if n not in out:
                 out[n] = p.detach().float().cpu().clone()
-        return {n: out[n] for n, _ in self.model.named_parameters()}
+        return self._whole({n: out[n] for n, _ in self.model.named_parameters()})
 
     def state_dict(self) -> dict:
         """This rank's shards: masters and the optimizer (a per-rank file), plus the buffers and

@@ -1,12 +1,12 @@
 """ZeRO's gradients, shared by stages 1-3: staging buffers and their reduce-scatters, the
 high-water marks of transient memory, the clipping hooks, fp16 loss-scale checks and the fp32
-gradient each master steps with. A mixin of :class:`~shardwise.parallel.zero_base.ZeroBase`
+gradient each master steps with. A mixin of :class:`~shardwise.parallel.data.zero_base.ZeroBase`
 (whose docstring states the rules: at most ``MAX_GRAD_BUFFERS`` whole-size buffers alive, a
 staging buffer freed as soon as its reduce-scatter finishes, gradient shards alive only from
 their reduce-scatter to the step).
 
 Collectives: ``zero_grad_rs`` (reduce-scatter over the dp group, through the strategy's
-ShardCollectives), ``zero_clip`` (all-reduce of the squared norm), ``zero_overflow`` (fp16).
+Reducer, shardwise/comm/reducer.py), ``zero_clip`` (all-reduce of the squared norm), ``zero_overflow`` (fp16).
 """
 from __future__ import annotations
 
@@ -20,16 +20,6 @@ from shardwise.parallel.base import grad_sq
 class ZeroGradients:
     """Gradient staging, reduction, clipping and loss-scale checks for ZeroBase."""
     MAX_GRAD_BUFFERS = 2      # whole-size gradient buffers alive at once (filling + reducing)
-
-    # -- transient memory -----------------------------------------------------------------
-    def _alloc(self, kind: str, nbytes: int) -> None:
-        """Account a transient buffer (staging / gathered); the ledger reports high-water marks."""
-        self._live[kind] += nbytes
-        self._peak[kind] = max(self._peak[kind], self._live[kind])
-        self._peak["total"] = max(self._peak["total"], sum(self._live.values()))
-
-    def _release(self, kind: str, nbytes: int) -> None:
-        self._live[kind] -= nbytes
 
     # -- gradients: staging and reduce-scatter (stages 2-3) -------------------------------
     def _stage_grad(self, c: Chunk, p: nn.Parameter) -> None:
@@ -55,10 +45,12 @@ class ZeroGradients:
         while self._reducing and len(self._reducing) + filling >= self.MAX_GRAD_BUFFERS:
             self._retire(self._reducing.pop(0))
 
-    def _reduce_staged(self, c: Chunk) -> None:
+    def _reduce_staged(self, c: Chunk, async_op: bool | None = None) -> None:
         """The chunk's gradients are all in its staging buffer: drop the ``.grad`` views and
         reduce-scatter into ``grad_shard`` (or, when it already holds an accumulation
-        micro-step's gradient, into a temporary added on completion)."""
+        micro-step's gradient, into a temporary added on completion). ``async_op`` None:
+        ``overlap``; a blocking call frees the staging buffer (and the backend's copy) at once."""
+        async_op = self.overlap if async_op is None else async_op
         staging = c.extra.pop("staging")
         c.extra.pop("views")
         for p in c.params:
@@ -69,17 +61,20 @@ class ZeroGradients:
         else:
             temp = c.grad_shard.new_empty(c.grad_shard.shape)
             self._alloc("staging", storage_bytes(temp))
+        backend = self._backend_bytes(storage_bytes(staging))
+        self._alloc("backend", backend)
         work = self._reduce_scatter(temp if temp is not None else c.grad_shard, staging,
-                                    async_op=self.overlap)
+                                    async_op=async_op)
         c.grad_valid = True
-        self._reducing.append((c, work, temp, staging, "add"))
-        if not self.overlap:
+        self._reducing.append((c, work, temp, staging, "add", backend))
+        if not async_op:
             self._retire(self._reducing.pop())      # already done: free the staging now
 
     def _retire(self, entry: tuple) -> None:
         """Wait for one reduce-scatter, fold its temporary in, free its buffers."""
-        c, work, temp, staging, mode = entry
+        c, work, temp, staging, mode, backend = entry
         work.wait()
+        self._release("backend", backend)
         if temp is not None:
             c.grad_shard.add_(temp) if mode == "add" else c.grad_shard.copy_(temp)
             self._release("staging", storage_bytes(temp))
@@ -111,12 +106,16 @@ class ZeroGradients:
 
     def _local_grad_sq(self) -> torch.Tensor:
         """Squares of this rank's gradient shards (disjoint over the dp group; padding is 0)."""
-        sq = grad_sq([c.grad_shard for c in self.chunks], self.device)
+        if self.plan is None:
+            sq = grad_sq([c.grad_shard for c in self.chunks], self.device)
+        else:   # tensor parallel: tp-replicated entries are counted on tp rank 0 only
+            sq = grad_sq([c.grad_shard[a:b] for c in self.chunks for a, b in self._counted(c)],
+                         self.device)
         return sq / (self.scale * self.scale) if self.scale != 1.0 else sq
 
     def _sum_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:
         self.comm.all_reduce(sq, self.group, op="sum", name="zero_clip")
-        return sq
+        return sq if self.plan is None else self.plan.sum_sq(sq)
 
     def _scale_grads(self, coef: torch.Tensor) -> None:
         self._grad_coef = coef if self._grad_coef is None else self._grad_coef * coef

@@ -38,19 +38,19 @@ plain training.
 """
 from __future__ import annotations
 
-from shardwise.comm.flat import bucket_indices, free_storage, storage_bytes
-from shardwise.parallel.zero_base import Chunk, ZeroBase
-from shardwise.parallel.zero_stage3 import Zero3Strategy  # noqa: F401  (registry name zero3)
+from shardwise.comm.buckets import plan_buckets
+from shardwise.comm.flat import free_storage, storage_bytes
+from shardwise.parallel.data.zero_base import Chunk, ZeroBase
+from shardwise.parallel.data.zero_stage3 import Zero3Strategy  # noqa: F401  (registry name zero3)
 
 
 class _BucketedZero(ZeroBase):
     """Stages 1 and 2: whole parameters on every rank, flat buckets, sharded optimizer."""
 
     def wrap(self, model, optimizer_factory) -> None:
-        params = list(reversed(self._adopt(model, optimizer_factory)))
-        itemsize = max(2, self.dtype.itemsize)
-        bucket_numel = max(1, int(self.cfg.parallel.bucket_mb * 2**20 / itemsize))
-        for idx in bucket_indices([p.numel() for p in params], bucket_numel):
+        params = self._adopt(model, optimizer_factory)          # registration order
+        sizes = [p.numel() * self.dtype.itemsize for p in params]  # working-precision bytes
+        for idx in plan_buckets(sizes, self.cfg.parallel.bucket_mb * 2**20):   # last first
             c = self._make_chunk([params[i] for i in idx], full_sharded=False)
             self._init_grads(c)
             self.chunks.append(c)
@@ -83,9 +83,17 @@ class _BucketedZero(ZeroBase):
         if not self._syncing and self.stage == 2:
             self._finish_reductions()      # accumulate this micro-step into the shard now
 
+    MAX_GATHERS = 2     # all-gathers in flight at once after the step (each holds a backend copy)
+
     def _after_chunk_step(self, index: int) -> None:
+        """Start the bucket's all-gather; with the oldest waited first when ``MAX_GATHERS`` are
+        in flight, since gloo keeps a whole-bucket temporary alive until each is waited."""
         c = self.chunks[index]
-        self._gathers.append(self._all_gather(c.full, c.shard, async_op=self.overlap))
+        while len(self._gathers) >= self.MAX_GATHERS:
+            self._wait_gather(self._gathers.pop(0))
+        backend = self._backend_bytes(storage_bytes(c.full))
+        self._alloc("backend", backend)
+        self._gathers.append((self._all_gather(c.full, c.shard, async_op=self.overlap), backend))
 
     def step(self) -> None:
         super().step()
@@ -93,9 +101,13 @@ class _BucketedZero(ZeroBase):
 
     def _finish_gathers(self) -> None:
         """Phase 3: every rank holds the whole updated parameters again."""
-        for work in self._gathers:
-            work.wait()
-        self._gathers.clear()
+        while self._gathers:
+            self._wait_gather(self._gathers.pop(0))
+
+    def _wait_gather(self, entry: tuple) -> None:
+        work, backend = entry
+        work.wait()
+        self._release("backend", backend)
 
     def _param_bytes(self) -> int:
         return sum(storage_bytes(c.full) for c in self.chunks)
@@ -125,12 +137,14 @@ class Zero1Strategy(_BucketedZero):
     def _launch(self, c: Chunk) -> None:
         if self._ring is not None:             # the ring reduces in place: own slice is the answer
             work = self._reduce_scatter(c.grad_shard, c.grad_full, async_op=True)
-            self._reducing.append((c, work, None, None, "into"))
+            self._reducing.append((c, work, None, None, "into", 0))
         else:                                  # the backend may not write its input: a temporary
             temp = c.grad_shard.new_empty(c.grad_shard.shape)
             self._alloc("staging", storage_bytes(temp))
+            backend = self._backend_bytes(storage_bytes(c.grad_full))
+            self._alloc("backend", backend)
             work = self._reduce_scatter(temp, c.grad_full, async_op=self.overlap)
-            self._reducing.append((c, work, temp, None, "copy"))
+            self._reducing.append((c, work, temp, None, "copy", backend))
 
     def _zero_grads(self) -> None:
         for c in self.chunks:

@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.comm.buckets import Bucket, FlatBroadcast, GradBuckets
-from shardwise.comm.ring import RingRunner
+from shardwise.comm.reducer import Reducer
 from shardwise.memory.amp import DTYPES
 from shardwise.parallel.base import OptimizerFactory, Strategy, grad_sq, optimizer_state_bytes, \
     tensor_bytes, trainable
@@ -65,7 +65,7 @@ class DDPStrategy(Strategy):
         p = self.cfg.parallel
         self.overlap, self.find_unused = p.overlap, p.find_unused
         self.compress = DTYPES.get(p.grad_compression)   # None for "none"
-        self.ring = RingRunner(self.comm) if p.allreduce == "ring" and self.group.size > 1 else None
+        self.reducer = Reducer(self.comm, self.group, p.allreduce == "ring")
         self.buckets = GradBuckets(list(self.model.named_parameters()), p.bucket_mb * 2**20,
                                    self._on_ready)
         self.model_buffers = FlatBroadcast(list(self.model.buffers()))
@@ -83,14 +83,27 @@ class DDPStrategy(Strategy):
 
     # -- backward: launch each bucket's reduction as soon as it is ready ------------------------
     def forward(self, x: torch.Tensor):
+        self.begin_pass()
+        if not torch.is_grad_enabled():
+            with self.autocast():
+                return self.model(x)
+        with self.autocast(), self._measure_activations():
+            return self.model(x)
+
+    def begin_pass(self) -> None:
+        """Before a forward: re-attach dropped ``.grad`` views, count a new backward, take dp
+        member 0's buffers. (A pipeline calls it once per step; parallel/hybrid.py.)"""
         self.buckets.reattach()              # a .grad set to None since the last step
+        self.restart_count()
+        self.model_buffers.run(self.comm, 0, self.group, name="ddp_buffers")
+
+    def restart_count(self) -> None:
+        """Count the next backward's gradients afresh (a pipeline: before its last micro-batch's
+        backward, the one whose buckets launch)."""
         self.buckets.reset()
         self._next = 0                       # launches go in bucket order on every rank
         for bucket in self.buckets.buckets:  # readiness is per backward (no_sync steps too)
             bucket.extra["ready"] = False
-        self.model_buffers.run(self.comm, 0, self.group, name="ddp_buffers")
-        with self.autocast():
-            return self.model(x)
 
     def _on_ready(self, bucket: Bucket) -> None:
         """Launch ready buckets in index order: every rank must issue its collectives in the
@@ -114,10 +127,8 @@ class DDPStrategy(Strategy):
                 low = bucket.extra["low"] = torch.empty_like(data, dtype=self.compress)
             low.copy_(data)
             data = low
-        if self.ring is not None:
-            bucket.work = self.ring.all_reduce(data, self.group, name="ddp_ring_all_reduce")
-        else:
-            bucket.work = self.comm.all_reduce(data, self.group, async_op=True, name="ddp_all_reduce")
+        name = "ddp_ring_all_reduce" if self.reducer.ring is not None else "ddp_all_reduce"
+        bucket.work = self.reducer.all_reduce(data, async_op=True, name=name)
 
     def _finish_grad_sync(self) -> None:
         """Launch what backward did not, wait for everything, average (once per step)."""
@@ -188,6 +199,8 @@ class DDPStrategy(Strategy):
 
     # -- clipping: after the allreduce every replica holds the same mean gradient ----------
     def _local_grad_sq(self) -> torch.Tensor:
+        if self.plan is not None:          # tensor parallel: replicated entries counted once
+            return super()._local_grad_sq()
         return grad_sq([b.buffer for b in self.buckets.buckets], self.device)
 
     def _scale_grads(self, coef: torch.Tensor) -> None:
@@ -195,8 +208,7 @@ class DDPStrategy(Strategy):
             b.buffer.mul_(coef.to(b.buffer.dtype))
 
     def close(self) -> None:
-        if self.ring is not None:
-            self.ring.close()
+        self.reducer.close()
 
     # -- accounting --------------------------------------------------------------------------
     def memory_ledger(self) -> dict[str, int]:
@@ -207,4 +219,5 @@ class DDPStrategy(Strategy):
             "master_weights": 0,
             "comm_buffers": sum(tensor_bytes([b.extra.get("low")]) for b in self.buckets.buckets)
             + self.model_buffers.nbytes(),
+            "activations_peak": self._act_peak,
         }

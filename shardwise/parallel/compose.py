@@ -1,0 +1,76 @@
+"""The composer: one function applies every part of a layout to a model, in one order.
+
+    parallelize(model, optimizer_factory, cfg, mesh, comm, device, loss_fn) -> Strategy
+
+Order (torchtitan's ``parallelize``; each step sees only what the earlier ones made):
+
+ 1. model plan       which parameters tensor parallelism splits and how (shardwise's GPT:
+                     parallel/tensor.py; other models: tp and pp are refused with one line)
+ 2. tensor parallel  global rank 0's weights broadcast over the world (meter
+                     ``init_broadcast``), then the GPT's layers swapped for their tp slices over
+                     ``mesh.tp_group``; the loss becomes the vocab-parallel cross-entropy
+ 3. pipeline split   ``pp`` > 1: this rank keeps its stage (parallel/pipeline/), driven by the
+                     schedule; done by parallel/hybrid.py together with steps 2 and 6
+ 4. activation checkpointing   each block's forward recomputed in backward (memory/)
+ 5. mixed precision  inside the data-parallel step: autocast around forward (stage 0), or bf16 /
+                     fp16 working copies with fp32 masters (stages 1-3)
+ 6. data parallel    the component of parallel/data/ at ``zero_stage`` 0-3 over ``mesh.dp_group``
+                     (pp > 1: hybrid.py's flat reduction, stage 0 or 1, over the same reducer)
+ 7. optimizer wrappers   the optimizer built on what the stage shards; offload of masters and
+                     states (memory/offload.py, stages 1-3)
+
+The strategy names are presets of (zero stage, tp, pp) (shardwise/layout.py), so ``ddp``,
+``zero1``-``zero3``, ``tp``, ``pp`` and ``3d`` all come through here; ``single``, ``dp``
+(one-process replicas) and ``ps`` (parameter server) are layouts of their own and skip steps 1-3.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardwise.comm.collectives import Comm
+from shardwise.config import Config
+from shardwise.layout import DATA_MODEL, zero_stage
+from shardwise.memory.checkpointing import apply_activation_checkpointing
+from shardwise.mesh import Mesh
+from shardwise.parallel import strategy_class
+from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
+from shardwise.parallel.data import stage_class
+from shardwise.parallel.tensor import TensorPlan, apply_tensor_parallel, tp_loss
+
+
+def _is_gpt(model: nn.Module) -> bool:
+    return all(hasattr(model, a) for a in ("tok_emb", "blocks", "head"))
+
+
+def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Config, mesh: Mesh,
+                comm: Comm, device: torch.device, loss_fn: LossFn) -> Strategy:
+    """Apply ``cfg``'s layout (resolved: shardwise/layout.resolve) to ``model`` in the order of
+    the module docstring; returns the strategy that trains it."""
+    p = cfg.parallel
+    if cfg.memory.activation_checkpointing:                       # 4 (before any hooks)
+        apply_activation_checkpointing(model)
+    if p.strategy not in DATA_MODEL:                              # single, dp, ps
+        strategy = strategy_class(p.strategy)(cfg, mesh, comm, device, loss_fn)
+        strategy.wrap(model, optimizer_factory)
+        return strategy
+    if (mesh.tp > 1 or mesh.pp > 1) and not _is_gpt(model):       # 1
+        raise TypeError(f"tensor and pipeline parallelism split shardwise's GPT; "
+                        f"{type(model).__name__} has no plan for them yet; fix: use --dp with "
+                        "--zero-stage 0-3 (any model), or train shardwise's GPT")
+    if mesh.pp > 1:                                               # 2, 3, 6 in hybrid.py
+        strategy = strategy_class("3d")(cfg, mesh, comm, device, loss_fn)
+        strategy.wrap(model, optimizer_factory)
+        return strategy
+    plan = None
+    if mesh.tp > 1:                                               # 2
+        model.to(device)                # NCCL broadcasts device tensors only
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                comm.broadcast(t.data, 0, mesh.world, name="init_broadcast")
+        plan = TensorPlan(apply_tensor_parallel(model, mesh, comm), comm, mesh.tp_group)
+        loss_fn = tp_loss(model.cfg.vocab_size, comm, mesh.tp_group)
+    strategy = stage_class(zero_stage(cfg))(cfg, mesh, comm, device, loss_fn)   # 5, 6, 7
+    strategy.plan = plan
+    strategy.wrap(model, optimizer_factory)
+    return strategy
