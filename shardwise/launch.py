@@ -17,7 +17,7 @@ import time
 
 from shardwise import stopping
 from shardwise.config import Config
-from shardwise.validate import SINGLE_PROCESS
+from shardwise.presets import SINGLE_PROCESS
 
 
 def under_launcher() -> bool:

@@ -20,36 +20,21 @@ combination), and ``zero1_over_dp`` together with a different ``zero_stage``.
 run directory and summary show): ``ddp`` / ``zeroN`` for pure data parallelism, the preset's own
 name otherwise (``3d`` for a composition typed without ``--strategy``).
 
-:func:`reads` says which layout-specific settings a resolved layout reads, so that
-validate.check_ignored refuses a non-default value the layout would silently ignore.
+:func:`reads` gathers, from each component's own checks module, which layout-specific settings
+a resolved layout reads, so that validate.check_ignored refuses a non-default value the layout
+would silently ignore; :func:`check_components` runs each component's checks of its values.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
 from shardwise.config import Config, ConfigError
+from shardwise.presets import DATA_MODEL, PRESETS, zero_stage  # noqa: F401 (re-exported)
+from shardwise.parallel import dp_checks, ps_checks, tensor_checks
+from shardwise.parallel.data import checks as data_checks
+from shardwise.parallel.pipeline import checks as pipeline_checks
 
-DATA_MODEL = ("ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d")   # the composed layouts
-PRESETS = {
-    "ddp": {"zero_stage": 0, "tp": 1, "pp": 1},
-    "zero1": {"zero_stage": 1, "tp": 1, "pp": 1},
-    "zero2": {"zero_stage": 2, "tp": 1, "pp": 1},
-    "zero3": {"zero_stage": 3, "tp": 1, "pp": 1},
-    "tp": {"pp": 1},
-    "pp": {"tp": 1},
-    "3d": {},
-}
 _FLAGS = {"zero_stage": "--zero-stage", "tp": "--tp", "pp": "--pp"}
-
-
-def zero_stage(cfg: Config) -> int:
-    """The data-parallel stage a config asks for (0 for layouts without one)."""
-    p = cfg.parallel
-    if p.zero_stage >= 0:
-        return p.zero_stage
-    if p.strategy in PRESETS:
-        return PRESETS[p.strategy].get("zero_stage", 1 if p.zero1_over_dp else 0)
-    return 0
 
 
 def resolve(cfg: Config, explicit_strategy: bool | None = None) -> Config:
@@ -95,24 +80,19 @@ def resolve(cfg: Config, explicit_strategy: bool | None = None) -> Config:
 
 
 def reads(cfg: Config) -> dict[str, bool]:
-    """For a resolved config: whether its layout reads each layout-specific setting."""
-    p, s = cfg.parallel, cfg.parallel.strategy
-    composed = s in DATA_MODEL
-    stage = zero_stage(cfg)
-    flat_dp = composed and p.pp == 1          # the data-parallel component (parallel/data/)
-    return {
-        "offload": flat_dp and stage >= 1,
-        "offload_dir": flat_dp and stage >= 1 and cfg.memory.offload == "disk",
-        "bucket_mb": composed and stage <= 2 and (p.pp == 1 or stage == 0),
-        "overlap": composed and (p.pp == 1 or stage == 0),
-        "allreduce": composed, "find_unused": flat_dp and stage == 0,
-        "grad_compression": composed and stage == 0, "zero3_units": flat_dp and stage == 3,
-        "zero_stage": composed, "zero1_over_dp": composed and p.pp > 1, "replicas": s == "dp",
-        "num_ps": s == "ps", "num_workers": s == "ps", "ps_mode": s == "ps",
-        "staleness": s == "ps", "straggler": s == "ps", "on_worker_failure": s == "ps",
-        "ps_timeout": s == "ps",
-        "num_microbatches": p.pp > 1, "schedule": p.pp > 1, "stage_layers": p.pp > 1,
-    }
+    """For a resolved config: whether its layout reads each layout-specific setting, as each
+    component declares it."""
+    return {**data_checks.reads(cfg, zero_stage(cfg)), **pipeline_checks.reads(cfg),
+            **ps_checks.reads(cfg), **dp_checks.reads(cfg)}
+
+
+def check_components(cfg: Config, world_size: int, dp: int) -> None:
+    """Every component's own checks of its own settings (validate.py calls this)."""
+    data_checks.check(cfg, world_size, zero_stage(cfg))
+    tensor_checks.check(cfg, world_size)
+    pipeline_checks.check(cfg, world_size, dp)
+    ps_checks.check(cfg, world_size)
+    dp_checks.check(cfg, world_size)
 
 
 # what to change so that a refused setting is read (validate.check_ignored's fix)

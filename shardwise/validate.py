@@ -1,5 +1,11 @@
 """Check a Config against itself and the world it will run in, before anything starts.
 
+Here: the cross-cutting checks (choices, finite and positive numbers, model x data, the mesh
+and batch sizes, accumulation, writable paths, devices). Each parallel component checks its
+own settings (parallel/data/checks.py, parallel/pipeline/checks.py, parallel/ps_checks.py,
+parallel/dp_checks.py, parallel/tensor_checks.py), collected by shardwise/layout.py, which also
+says which settings each layout reads (check_ignored below).
+
 Each check raises :class:`~shardwise.config.ConfigError` naming the field, the value and the fix.
 The world size is known before launch (nproc_per_node x nnodes, or WORLD_SIZE under a launcher),
 so a bad layout never reaches a collective.
@@ -12,8 +18,7 @@ import os
 from shardwise import layout
 from shardwise.config import Config, ConfigError, MemoryConfig, ParallelConfig, section_fields
 
-# Strategies that run as one process (no torch.distributed world).
-SINGLE_PROCESS = ("single", "dp")
+from shardwise.presets import SINGLE_PROCESS, resolve_dp  # noqa: F401 (re-exported)
 
 
 def _choices(cfg: Config) -> None:
@@ -96,9 +101,6 @@ def _model(cfg: Config) -> None:
     if m.name == "gpt" and m.n_embd % m.n_head:
         raise ConfigError("model.n_head", m.n_head, f"does not divide n_embd={m.n_embd}",
                           "pick n_head so that n_embd / n_head is whole")
-    if m.name == "gpt" and m.n_head % cfg.parallel.tp:
-        raise ConfigError("parallel.tp", cfg.parallel.tp, f"does not divide n_head={m.n_head}",
-                          "pick a tp that divides the number of heads")
     if m.name == "gpt" and cfg.data.dataset == "stdlib" and m.vocab_size < 256:
         raise ConfigError("model.vocab_size", m.vocab_size, "the stdlib corpus is byte tokens "
                           "(0-255)", "use --vocab-size 256 or more")
@@ -110,17 +112,9 @@ def _model(cfg: Config) -> None:
     if m.name == "gpt" and cfg.data.dataset in ("digits", "mnist", "fashion-mnist"):
         raise ConfigError("data.dataset", cfg.data.dataset, "the GPT needs a token corpus",
                           "use --model lenet for images, or --dataset stdlib")
-    if m.name == "lenet" and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
-        name = "parallel.tp" if cfg.parallel.tp > 1 else "parallel.pp"
-        raise ConfigError(name, max(cfg.parallel.tp, cfg.parallel.pp), "tensor and pipeline "
-                          "parallelism split the GPT's transformer blocks; LeNet has none",
-                          "use --dp with --zero-stage 0-3 for LeNet, or train the GPT")
     if m.name == "lenet" and cfg.memory.activation_checkpointing:
         raise ConfigError("memory.activation_checkpointing", True, "LeNet has no transformer blocks",
                           "drop --activation-checkpointing, or train the GPT")
-    if cfg.parallel.pp > 1 and m.n_layer < cfg.parallel.pp:
-        raise ConfigError("parallel.pp", cfg.parallel.pp, f"more stages than n_layer={m.n_layer}",
-                          "use pp <= n_layer")
 
 
 def _data(cfg: Config) -> None:
@@ -137,36 +131,6 @@ def _data(cfg: Config) -> None:
                           "give an existing directory, or leave it empty")
 
 
-def parse_stage_layers(text: str, n_layer: int, p: int) -> list[int]:
-    """'1,3' -> [1, 3]: blocks per pipeline stage, p positive counts summing to n_layer."""
-    try:
-        counts = [int(c) for c in text.split(",")]
-    except ValueError:
-        raise ConfigError("parallel.stage_layers", text, "not a comma-separated list of integers",
-                          "give blocks per stage, e.g. '1,3'") from None
-    if len(counts) != p or sum(counts) != n_layer or min(counts) < 1:
-        raise ConfigError("parallel.stage_layers", text, f"need {p} positive counts summing to "
-                          f"n_layer = {n_layer}", "give one count per stage, or leave it empty")
-    return counts
-
-
-def parse_straggler(spec: str, num_workers: int) -> dict[int, float]:
-    """'1:3,2:1.5' -> {1: 3.0, 2: 1.5}: worker index -> step-time factor (>= 1)."""
-    out = {}
-    for part in filter(None, (s.strip() for s in spec.split(","))):
-        try:
-            w, factor = part.split(":")
-            w, factor = int(w), float(factor)
-        except ValueError:
-            raise ConfigError("parallel.straggler", spec, f"cannot read {part!r}",
-                              "write WORKER:FACTOR[,WORKER:FACTOR], e.g. '1:3'") from None
-        if not 0 <= w < num_workers or factor < 1:
-            raise ConfigError("parallel.straggler", spec, f"worker {w} / factor {factor} out of "
-                              f"range", f"use workers 0..{num_workers - 1} and factors >= 1")
-        out[w] = factor
-    return out
-
-
 def _runtime_checks(cfg: Config, world_size: int) -> None:
     """What the run would only discover after its processes started."""
     p, m = cfg.parallel, cfg.model
@@ -175,10 +139,6 @@ def _runtime_checks(cfg: Config, world_size: int) -> None:
                           f"strategy {p.strategy} does not split the model",
                           "drop --strategy (the axis flags compose), or leave tp and pp at 1")
     layout.resolve(cfg)      # a preset that contradicts the axis flags or the stage
-    if p.stage_layers and p.pp > 1:
-        parse_stage_layers(p.stage_layers, m.n_layer, p.pp)
-    if p.straggler and p.strategy == "ps":
-        parse_straggler(p.straggler, p.num_workers or world_size - p.num_ps)
     if m.name == "gpt":
         smallest = (int(cfg.data.max_bytes * cfg.data.val_fraction) if cfg.data.dataset == "stdlib"
                     else (1 << 20) // 10)
@@ -206,50 +166,23 @@ def _check_writable(path: str, field: str = "logging.out_dir", shown: str | None
                           "give a directory you can write to")
 
 
-def resolve_dp(cfg: Config, world_size: int) -> int:
-    """The data-parallel size: given, or what the world leaves after tp and pp."""
-    p = cfg.parallel
-    if p.strategy == "ps":
-        return 1
-    if p.dp:
-        return p.dp
-    rest = p.tp * p.pp
-    if world_size % rest:
-        raise ConfigError("parallel.tp", p.tp, f"tp x pp = {rest} does not divide the world size"
-                          f" {world_size}", "choose sizes whose product divides the process count")
-    return world_size // rest
-
-
 def _layout(cfg: Config, world_size: int) -> None:
+    """The mesh and the batch: dp x tp x pp = the world, rows that split over dp x grad_accum;
+    then each component's own checks (shardwise/layout.py's ``check_components``)."""
     p = cfg.parallel
-    if p.strategy in SINGLE_PROCESS:
-        return
-    if p.strategy == "ps":
-        workers = p.num_workers or world_size - p.num_ps
-        if workers < 1 or p.num_ps + workers != world_size:
-            raise ConfigError("parallel.num_workers", p.num_workers,
-                              f"num_ps={p.num_ps} + num_workers={workers} != world size {world_size}",
-                              "set --nproc-per-node to num_ps + num_workers")
-        if cfg.train.batch_size % workers:
+    dp = 1
+    if p.strategy not in SINGLE_PROCESS and p.strategy != "ps":
+        dp = resolve_dp(cfg, world_size)
+        if dp * p.tp * p.pp != world_size:
+            raise ConfigError("parallel.dp", dp, f"dp x tp x pp = {dp}x{p.tp}x{p.pp} = "
+                              f"{dp * p.tp * p.pp} != world size {world_size}",
+                              "make the product equal the number of processes (--nproc-per-node)")
+        per_rank = cfg.train.batch_size // (dp * cfg.memory.grad_accum)
+        if cfg.train.batch_size % (dp * cfg.memory.grad_accum) or per_rank == 0:
             raise ConfigError("train.batch_size", cfg.train.batch_size,
-                              f"not divisible by num_workers={workers}", "use a multiple of it")
-        if not p.ps_timeout > 0:
-            raise ConfigError("parallel.ps_timeout", p.ps_timeout, "must be positive", "try 300")
-        return
-    dp = resolve_dp(cfg, world_size)
-    if dp * p.tp * p.pp != world_size:
-        raise ConfigError("parallel.dp", dp, f"dp x tp x pp = {dp}x{p.tp}x{p.pp} = "
-                          f"{dp * p.tp * p.pp} != world size {world_size}",
-                          "make the product equal the number of processes (--nproc-per-node)")
-    per_rank = cfg.train.batch_size // (dp * cfg.memory.grad_accum)
-    if cfg.train.batch_size % (dp * cfg.memory.grad_accum) or per_rank == 0:
-        raise ConfigError("train.batch_size", cfg.train.batch_size,
-                          f"not divisible by dp x grad_accum = {dp}x{cfg.memory.grad_accum}",
-                          "use a multiple of dp x grad_accum")
-    if p.pp > 1 and per_rank % p.num_microbatches:
-        raise ConfigError("parallel.num_microbatches", p.num_microbatches,
-                          f"does not divide the per-rank batch {per_rank}",
-                          "pick a divisor of batch_size / (dp x grad_accum)")
+                              f"not divisible by dp x grad_accum = {dp}x{cfg.memory.grad_accum}",
+                              "use a multiple of dp x grad_accum")
+    layout.check_components(cfg, world_size, dp)
 
 
 def validate(cfg: Config, world_size: int) -> Config:
@@ -259,10 +192,6 @@ def validate(cfg: Config, world_size: int) -> Config:
     _positive(cfg)
     _model(cfg)
     _data(cfg)
-    if cfg.parallel.strategy == "dp" and cfg.train.batch_size % cfg.parallel.replicas:
-        raise ConfigError("train.batch_size", cfg.train.batch_size,
-                          f"not divisible by replicas={cfg.parallel.replicas}",
-                          "use a multiple of the replica count")
     _layout(cfg, world_size)
     _accumulation(cfg, world_size)
     _runtime_checks(cfg, world_size)

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from shardwise.comm.collectives import Comm
 from shardwise.config import Config
-from shardwise.layout import DATA_MODEL, zero_stage
+from shardwise.presets import DATA_MODEL, zero_stage
 from shardwise.memory.checkpointing import apply_activation_checkpointing
 from shardwise.mesh import Mesh
 from shardwise.parallel import strategy_class

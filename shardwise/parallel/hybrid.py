@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from shardwise.comm import p2p
 from shardwise.comm.reducer import Reducer
-from shardwise.layout import zero_stage
+from shardwise.presets import zero_stage
 from shardwise.parallel.base import Strategy
 from shardwise.parallel.hybrid_zero1 import PipelineZero1
 from shardwise.parallel.pipeline import schedule as sched

@@ -51,7 +51,7 @@ import torch.nn as nn
 from shardwise.comm.ps_transport import HEADER, Links, ServerEnd, WorkerEnd, pack, \
     partition_by_bytes, task_name, unpack
 from shardwise.config import ConfigError
-from shardwise.validate import parse_straggler
+from shardwise.parallel.ps_checks import parse_straggler
 from shardwise.parallel.base import OptimizerFactory, Strategy, optimizer_state_bytes, tensor_bytes
 from shardwise.parallel.ps_server import ParamServer
 

@@ -33,6 +33,8 @@ BAD = [
     (["--zero-stage", "5"], "parallel.zero_stage = 5", "use 0 (DDP), 1, 2 or 3"),
     (["--strategy", "ps", "--zero-stage", "1"], "parallel.zero_stage = 1", "drop --zero-stage"),
     (["--model", "lenet", "--dataset", "digits", "--tp", "2"], "parallel.tp = 2", "--dp"),
+    (["--zero-stage", "3", "--zero3-units", "Block,2x"], "parallel.zero3_units = 'Block,2x'",
+     "module class names"),
     (["--block-size", "300000"], "model.block_size = 300000", "shorter block_size"),
     (["--out-dir", "/etc/hostname/runs"], "logging.out_dir = '/etc/hostname/runs'", "you can write to"),
     (["--strategy", "dp", "--batch-size", "10", "--grad-accum", "2"], "memory.grad_accum = 2",

@@ -15,7 +15,7 @@ import torch
 from reference import single_run, tiny_config
 from shardwise.comm.ps_transport import HEADER, partition_by_bytes
 from shardwise.config import ConfigError
-from shardwise.validate import parse_straggler
+from shardwise.parallel.ps_checks import parse_straggler
 from shardwise.runtime import init_runtime
 from shardwise.testing import assert_close_runs, run_world
 from shardwise.train import train

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from shardwise import validate
+from shardwise.parallel.pipeline import checks
 
 
 def _numel(m: nn.Module) -> int:
@@ -48,9 +48,9 @@ def balanced_bounds(costs: list[int], first_extra: int, last_extra: int, p: int)
 
 
 def parse_stage_layers(text: str, n_layer: int, p: int) -> list[tuple[int, int]]:
-    """'1,3' -> [(0, 1), (1, 4)] (the text is checked by shardwise.validate)."""
+    """'1,3' -> [(0, 1), (1, 4)] (the text is checked by pipeline/checks.py)."""
     bounds, start = [], 0
-    for c in validate.parse_stage_layers(text, n_layer, p):
+    for c in checks.parse_stage_layers(text, n_layer, p):
         bounds.append((start, start + c))
         start += c
     return bounds

@@ -1,0 +1,41 @@
+"""The data-parallel component's own settings, checked before launch (``reads``, ``check``);
+pure, so the launcher runs it before any process starts. Which stage reads what:
+
+    bucket_mb          stage 0; stages 1-2 without a pipeline (stage 3 groups by units)
+    overlap            stage 0; any stage without a pipeline
+    allreduce          every stage (native or ring reducer)
+    find_unused        stage 0 without a pipeline
+    grad_compression   stage 0
+    zero3_units        stage 3 without a pipeline
+    offload            stages 1-3 without a pipeline; offload_dir with offload = disk
+    zero1_over_dp      the pipeline's ZeRO-1 (its old name for --zero-stage 1)
+"""
+from __future__ import annotations
+
+from shardwise.config import Config, ConfigError
+from shardwise.presets import DATA_MODEL as COMPOSED
+
+
+def reads(cfg: Config, stage: int) -> dict[str, bool]:
+    p = cfg.parallel
+    composed = p.strategy in COMPOSED
+    flat = composed and p.pp == 1            # the component itself, not under a pipeline
+    return {
+        "zero_stage": composed, "allreduce": composed,
+        "bucket_mb": composed and stage <= 2 and (p.pp == 1 or stage == 0),
+        "overlap": composed and (p.pp == 1 or stage == 0),
+        "find_unused": flat and stage == 0, "grad_compression": composed and stage == 0,
+        "zero3_units": flat and stage == 3, "offload": flat and stage >= 1,
+        "offload_dir": flat and stage >= 1 and cfg.memory.offload == "disk",
+        "zero1_over_dp": composed and p.pp > 1,
+    }
+
+
+def check(cfg: Config, world_size: int, stage: int) -> None:
+    """Class names for ZeRO-3's units must be identifiers."""
+    names = [c.strip() for c in cfg.parallel.zero3_units.split(",") if c.strip()]
+    bad = [c for c in names if not c.isidentifier()]
+    if stage == 3 and bad:
+        raise ConfigError("parallel.zero3_units", cfg.parallel.zero3_units,
+                          f"{bad[0]!r} is not a class name", "give module class names, e.g. "
+                          "'Block' or 'GPT2Block,LlamaDecoderLayer'")
