@@ -14,6 +14,7 @@ import torch
 
 from benchmarks.harness import Row, gpt_bench_config, threads_for, timed_steps
 from benchmarks.peers import ours_tokens_per_s
+from benchmarks.rows.model_parallel import dtensor_block
 from shardwise.data import build_data
 from shardwise.models import build_model, lm_loss
 
@@ -41,23 +42,13 @@ def fsdp2_dtensor_tp(rank, world, **_):
     """FSDP2 (fully_shard over the dp mesh dimension) on DTensor TP (over the tp dimension)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
     threads_for(world)
     dp, tp = world // 2, 2
     cfg = _cfg(dp=dp, tp=tp, zero_stage=3)
     data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    c = cfg.model.n_embd
     for block in model.blocks:
-        with torch.no_grad():   # reorder qkv rows so that a contiguous split keeps whole heads
-            w = block.attn.qkv.weight
-            w.copy_(w.view(3, tp, c // tp, c).transpose(0, 1).reshape(3 * c, c))
-        block.attn.n_head //= tp
-        parallelize_module(block, mesh["tp"], {"attn.qkv": ColwiseParallel(),
-                                               "attn.proj": RowwiseParallel(),
-                                               "mlp.fc": ColwiseParallel(),
-                                               "mlp.proj": RowwiseParallel()})
+        dtensor_block(block, mesh["tp"], tp, cfg.model.n_embd)
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))

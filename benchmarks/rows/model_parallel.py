@@ -57,23 +57,27 @@ def torch_pipelining(rank, world, schedule):
     return {"items_per_s": b * cfg.model.block_size / dt}
 
 
+def dtensor_block(block, tp_mesh, tp: int, c: int) -> None:
+    """One GPT block under DTensor TP: qkv / fc column-wise, the projections row-wise."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    with torch.no_grad():   # reorder qkv rows so that a contiguous split keeps whole heads
+        w = block.attn.qkv.weight
+        w.copy_(w.view(3, tp, c // tp, c).transpose(0, 1).reshape(3 * c, c))
+    block.attn.n_head //= tp
+    parallelize_module(block, tp_mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                        "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+
+
 def dtensor_tp(rank, world, **_):
     """torch's DTensor tensor parallel: ColwiseParallel qkv / fc, RowwiseParallel proj."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
     threads_for(world)
     cfg = _cfg("tp", tp=world)
     data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
     mesh = init_device_mesh("cpu", (world,))
-    c = cfg.model.n_embd
     for block in model.blocks:
-        with torch.no_grad():   # reorder qkv rows so that a contiguous split keeps whole heads
-            w = block.attn.qkv.weight
-            w.copy_(w.view(3, world, c // world, c).transpose(0, 1).reshape(3 * c, c))
-        block.attn.n_head //= world
-        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-                                         "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+        dtensor_block(block, mesh, world, cfg.model.n_embd)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))
     b, state = cfg.train.batch_size, {"step": 0}
 

@@ -59,6 +59,7 @@ from shardwise.memory.amp import autocast_context
 from shardwise.mesh import Mesh
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+ACT_SAMPLES = 3        # training forwards whose saved activations the ledger measures
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -157,7 +158,13 @@ class Strategy:
     def _measure_activations(self):
         """Sum the distinct storages autograd saves for backward (parameters and views of them
         excluded; ``_cdata`` names a storage itself, which ZeRO-3's release and refill keep);
-        the ledger's ``activations_peak`` is the largest such sum of one forward."""
+        the ledger's ``activations_peak`` is the largest such sum of one forward. The hook costs
+        Python time per saved tensor, so only the first ``ACT_SAMPLES`` forwards are measured
+        (a training loop's shapes repeat)."""
+        self._act_samples = getattr(self, "_act_samples", 0) + 1
+        if self._act_samples > ACT_SAMPLES:
+            yield
+            return
         seen: dict[int, int] = {}
         weights = {p.untyped_storage()._cdata for p in self.model.parameters()}
 

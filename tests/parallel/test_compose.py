@@ -82,38 +82,47 @@ def test_every_stage_times_tp_equals_single_with_the_users_loop():
             torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-5, msg=why)
 
 
-def _pipeline_dp(rank, n, configs):
-    from reference import run
+def _one_step_meter(cfg):
     from shardwise.api import optimizer_factory, prepare
     from shardwise.data import build_data
     from shardwise.models import build_model, loss_for
     from shardwise.runtime import init_runtime
-    out = [run(cfg) for cfg in configs]
-    cfg = configs[0]
     rt = init_runtime(cfg)
     engine = prepare(build_model(cfg.model, 0), optimizer_factory(cfg), cfg,
                      loss_fn=loss_for(cfg.model), runtime=rt)
     x, y = build_data(cfg).batch(0, cfg.train.batch_size, *engine.strategy.data_shard())
     rt.comm.meter.reset()
     engine.train_step(x, y)
-    return out, rt.comm.meter.snapshot(), len(engine.strategy.dp.buckets.buckets)
+    return rt.comm.meter.snapshot(), len(engine.strategy.dp.buckets.buckets)
+
+
+def _pipeline_dp(rank, n, configs):
+    from reference import run
+    out = [run(cfg) for cfg in configs]
+    meter, buckets = _one_step_meter(configs[0])
+    compressed = replace(configs[0], parallel=replace(configs[0].parallel, grad_compression="bf16"))
+    return out, meter, buckets, _one_step_meter(compressed)[0]
 
 
 def test_pipeline_dp_is_the_ddp_component():
     """dp 2 x pp 2 at stage 0: DDP's buckets reduce once per step (during the last micro-batch's
-    backward, not once per micro-batch), over the backend or the ring; equal to one process."""
+    backward, not once per micro-batch), over the backend or the ring, equal to one process;
+    with bf16 gradient compression the same buckets carry half the bytes."""
     from reference import single_run, tiny_config
     configs = [replace(tiny_config("3d", steps=6, dp=2, pp=2, bucket_mb=0.01, schedule=s,
                                    allreduce=a), logging=replace(tiny_config().logging,
                                                                  schedule_png="off"))
                for s, a in (("1f1b", "native"), ("gpipe", "ring"))]
     results = run_world(_pipeline_dp, 4, configs)
-    for out, meter, buckets in results:
+    for out, meter, buckets, bf16 in results:
         for cfg, (losses, params) in zip(configs, out):
             ref = single_run(cfg)
             assert_close_runs(losses, ref[0], params, ref[1], 1e-5, 1e-5, why=f"{cfg.parallel}")
         assert buckets >= 2 and meter["ddp_all_reduce"]["calls"] == buckets
         assert "dp_grad" not in meter
+        # --grad-compression bf16 reaches the pipeline's dp: the same calls, half the bytes
+        assert bf16["ddp_all_reduce"]["calls"] == buckets
+        assert 2 * bf16["ddp_all_reduce"]["bytes_sent"] == meter["ddp_all_reduce"]["bytes_sent"]
 
 
 def _tp_zero(rank, n, configs):
