@@ -99,10 +99,15 @@ def optimizer_like(probe: torch.optim.Optimizer, groups: list[tuple[dict, list]]
     (options, tensors). ``type(probe)(groups, **probe.defaults)``, with the defaults restricted
     to what the constructor accepts (AdamW's defaults carry ``decoupled_weight_decay``, which
     AdamW's constructor refuses; the group options keep it)."""
-    cls = type(probe)
-    accepted = inspect.signature(cls.__init__).parameters
-    defaults = {k: v for k, v in probe.defaults.items() if k in accepted}
-    return cls([{**options, "params": list(tensors)} for options, tensors in groups], **defaults)
+    return type(probe)([{**options, "params": list(tensors)} for options, tensors in groups],
+                       **constructor_defaults(probe))
+
+
+def constructor_defaults(probe: torch.optim.Optimizer) -> dict:
+    """The probe's defaults that its constructor accepts (AdamW's defaults also hold
+    ``decoupled_weight_decay``, which its constructor refuses; every group keeps its options)."""
+    accepted = inspect.signature(type(probe).__init__).parameters
+    return {k: v for k, v in probe.defaults.items() if k in accepted}
 
 
 def as_float(out):

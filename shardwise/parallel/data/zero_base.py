@@ -45,7 +45,6 @@ gradient is formed. Meter names: ``zero_grad_rs``, ``zero_param_ag`` (training),
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -53,11 +52,12 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from shardwise.comm.flat import FlatLayout, shard_runs
+from shardwise.comm.reducer import Reducer
 from shardwise.memory.amp import DTYPES
 from shardwise.memory.offload import OffloadStore, prefill_adam_state
 from shardwise.parallel.base import Strategy
-from shardwise.comm.reducer import Reducer
 from shardwise.parallel.data.zero_grads import ZeroGradients
+from shardwise.parallel.data.zero_groups import ParamGroups
 from shardwise.parallel.data.zero_ledger import ZeroLedger
 from shardwise.parallel.data.zero_state import ZeroStateMixin
 
@@ -77,33 +77,6 @@ class Chunk:
     pending: int = 0                        # gradients still to arrive in this backward
     trainable: int = 0                      # parameters that receive a gradient
     extra: dict = field(default_factory=dict)
-
-
-@dataclass
-class ParamGroups:
-    """The user's optimizer class, defaults and per-group options, and each parameter's group."""
-    cls: type
-    defaults: dict
-    options: list[dict]
-    index: dict                             # parameter -> group number
-
-    @staticmethod
-    def probe(optimizer_factory, named: list[tuple[str, nn.Parameter]]) -> "ParamGroups":
-        probe = optimizer_factory([p for _, p in named])   # torch.optim allocates state lazily
-        options, index = [], {}
-        for g, group in enumerate(probe.param_groups):
-            options.append({k: v for k, v in group.items() if k != "params"})
-            index.update({p: g for p in group["params"]})
-        missing = [n for n, p in named if p not in index]
-        if missing:
-            raise ValueError(f"ZeRO: the optimizer factory left out trainable parameters "
-                             f"{missing[:5]}; fix: freeze them (requires_grad_(False)) or put "
-                             "them in a parameter group")
-        # constructor arguments only (AdamW's defaults also hold keys it does not take); every
-        # group dict carries its full options anyway
-        accepted = inspect.signature(type(probe).__init__).parameters
-        defaults = {k: v for k, v in probe.defaults.items() if k in accepted}
-        return ParamGroups(type(probe), defaults, options, index)
 
 
 class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
