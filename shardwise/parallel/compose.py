@@ -15,7 +15,8 @@ Order (torchtitan's ``parallelize``; each step sees only what the earlier ones m
  5. mixed precision  inside the data-parallel step: autocast around forward (stage 0), or bf16 /
                      fp16 working copies with fp32 masters (stages 1-3)
  6. data parallel    the component of parallel/data/ at ``zero_stage`` 0-3 over ``mesh.dp_group``
-                     (pp > 1: hybrid.py's flat reduction, stage 0 or 1, over the same reducer)
+                     (pp > 1: hybrid.py hands each stage to DDP at stage 0, or runs its
+                     flat ZeRO-1 at stage 1)
  7. optimizer wrappers   the optimizer built on what the stage shards; offload of masters and
                      states (memory/offload.py, stages 1-3)
 
@@ -36,7 +37,7 @@ from shardwise.mesh import Mesh
 from shardwise.parallel import strategy_class
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
 from shardwise.parallel.data import stage_class
-from shardwise.parallel.tensor import TensorPlan, apply_tensor_parallel, tp_loss
+from shardwise.parallel.tensor import TensorPlan, split_from_rank0
 
 
 def _is_gpt(model: nn.Module) -> bool:
@@ -64,12 +65,8 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
         return strategy
     plan = None
     if mesh.tp > 1:                                               # 2
-        model.to(device)                # NCCL broadcasts device tensors only
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                comm.broadcast(t.data, 0, mesh.world, name="init_broadcast")
-        plan = TensorPlan(apply_tensor_parallel(model, mesh, comm), comm, mesh.tp_group)
-        loss_fn = tp_loss(model.cfg.vocab_size, comm, mesh.tp_group)
+        model, specs, loss_fn = split_from_rank0(model, mesh, comm, device, loss_fn)
+        plan = TensorPlan(specs, comm, mesh.tp_group)
     strategy = stage_class(zero_stage(cfg))(cfg, mesh, comm, device, loss_fn)   # 5, 6, 7
     strategy.plan = plan
     strategy.wrap(model, optimizer_factory)

@@ -51,7 +51,7 @@ from shardwise.parallel.pipeline import timeline
 from shardwise.parallel.pipeline.executor import PipelineExecutor
 from shardwise.parallel.pipeline.stage import PipelineStage, stage_bounds
 from shardwise.parallel.data.ddp import DDPStrategy
-from shardwise.parallel.tensor import TensorPlan, apply_tensor_parallel, gather_tp, tp_loss
+from shardwise.parallel.tensor import TensorPlan, gather_tp, split_from_rank0
 
 class HybridStrategy(PipelineZero1, Strategy):
     name = "3d"
@@ -65,15 +65,9 @@ class HybridStrategy(PipelineZero1, Strategy):
                              "component")
         bounds = stage_bounds(model, mesh.pp, p.stage_layers)
         self.n_embd = model.cfg.n_embd
-        # 0. every rank starts from global rank 0's whole model (on the device: NCCL needs it)
-        model = model.to(self.device)
-        with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                self.comm.broadcast(t.data, 0, mesh.world, name="init_broadcast")
-        # 1. tensor parallel (names unchanged; tp_specs says how to gather each split parameter)
-        self.tp_specs = apply_tensor_parallel(model, mesh, self.comm)
-        if mesh.tp > 1:
-            self.loss_fn = tp_loss(model.cfg.vocab_size, self.comm, mesh.tp_group)
+        # 0-1. rank 0's whole model everywhere, then tensor parallel (tp_specs: how to gather)
+        model, self.tp_specs, self.loss_fn = split_from_rank0(model, mesh, self.comm,
+                                                              self.device, self.loss_fn)
         # 2. pipeline split: keep this stage's layers only
         model = PipelineStage(model, bounds, mesh.pp_rank)
         self.actions = sched.build(p.schedule, mesh.pp, p.num_microbatches)[mesh.pp_rank]

@@ -137,6 +137,21 @@ def apply_tensor_parallel(model: nn.Module, mesh, comm: Comm) -> dict[str, Shard
     return specs
 
 
+@torch.no_grad()
+def split_from_rank0(model: nn.Module, mesh, comm: Comm, device, loss_fn):
+    """Steps 2 of compose.py, shared with the pipeline: move the whole model to ``device``, take
+    global rank 0's parameters and buffers (meter ``init_broadcast``: slices are cut from the
+    full weights, so ranks that initialised differently would otherwise train different
+    models), then split it over tp. Returns (model, {name: ShardSpec}, the loss to use)."""
+    model = model.to(device)                      # NCCL broadcasts device tensors only
+    for t in [*model.parameters(), *model.buffers()]:
+        comm.broadcast(t.data, 0, mesh.world, name="init_broadcast")
+    specs = apply_tensor_parallel(model, mesh, comm)
+    if mesh.tp > 1:
+        loss_fn = tp_loss(model.cfg.vocab_size, comm, mesh.tp_group)
+    return model, specs, loss_fn
+
+
 def tp_loss(vocab_size: int, comm: Comm, group: Group):
     """The loss of a tp GPT: vocab-parallel cross-entropy on this rank's logit columns."""
     start = shard_range(vocab_size, group.rank, group.size)[0]
