@@ -39,7 +39,7 @@ per rank:
                       of it, beside the prefetched block)
     activations_peak  distinct storages autograd saved in one forward, parameters (and FSDP2's
                       unsharded parameters) excluded, via saved_tensors_hooks as
-                      ZeroLedger._measure_activations
+                      shardwise/parallel/ledger.py (ours also samples the peak instant there)
 """
 from __future__ import annotations
 
@@ -131,12 +131,15 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4) -> di
     seconds = timed_steps(step, max(1, steps - 1), warmup=1)
     if kind in ("ddp", "zero1", "zero2", "zero3"):
         ledger = engine.strategy.memory_ledger()
+        instant = engine.strategy.memory_at_peak()     # sampled at the peak (parallel/ledger.py)
         engine.close()
     else:
         ledger = book.ledger()
+        instant = None                                 # torch's buffers are not visible: modelled
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"kind": kind, "params": params, "baseline": baseline, "peak": peak,
-            "ledger": ledger, "items_per_s": batch * cfg.model.block_size / seconds,
+            "ledger": ledger, "ledger_instant": instant,
+            "items_per_s": batch * cfg.model.block_size / seconds,
             "rows_per_rank": per}
 
 
@@ -200,11 +203,15 @@ def ledger_total(ledger: dict | None) -> int | None:
     return sum(v for k, v in ledger.items() if k != "on_disk")
 
 
-def ledger_at_peak(ledger: dict | None) -> int | None:
-    """What the ledger says the peak holds: the state that lives through the step plus the
-    larger of the two transients. Saved activations peak at the end of forward, before any
-    gradient buffer exists; communication buffers (staging, the backend's copies, gathered
-    units) peak in backward and after the step, when most activations are freed."""
+def ledger_at_peak(ledger: dict | None, instant: dict | None = None) -> int | None:
+    """What the ledger says the peak holds. Ours: ``instant``, the ledger sampled at the instant
+    saved activations + transient buffers peaked together (shardwise/parallel/ledger.py), added
+    up. Torch's sides (no instant: their buffers are not visible from Python): a model, the
+    state that lives through the step plus the larger of the two transients (saved activations
+    peak at the end of forward, before any gradient buffer exists; communication buffers peak
+    in backward and after the step, when most activations are freed)."""
+    if instant is not None:
+        return ledger_total(instant)
     if ledger is None:
         return None
     steady = sum(v for k, v in ledger.items() if k not in TRANSIENT and k != "on_disk")
@@ -219,7 +226,7 @@ def measure(steps: int, batch: int, world: int = 2) -> dict:
         worst = max(ranks, key=lambda r: r["peak"])
         out[kind] = {**worst, "peak_per_rank": [r["peak"] for r in ranks],
                      "ledger_total": ledger_total(worst["ledger"]),
-                     "ledger_at_peak": ledger_at_peak(worst["ledger"])}
+                     "ledger_at_peak": ledger_at_peak(worst["ledger"], worst["ledger_instant"])}
         print(f"{kind:10s} peak {worst['peak'] / MiB:8,.0f} MiB  baseline "
               f"{worst['baseline'] / MiB:6,.0f} MiB", flush=True)
     return out
@@ -228,18 +235,20 @@ def measure(steps: int, batch: int, world: int = 2) -> dict:
 def table(res: dict) -> str:
     ddp, fsdp = res["torch-ddp"]["peak"], res["fsdp2"]["peak"]
     lines = ["| side | peak RSS / rank (MiB) | vs torch DDP | vs FSDP2 | peak - baseline (MiB) "
-             "| ledger sum (MiB) | sum / used | ledger at peak (MiB) | at peak / used |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| ledger sum (MiB) | sum / used | ledger at peak (MiB) | at peak / used | at peak is |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     names = {"ddp": "shardwise DDP", "zero1": "shardwise ZeRO-1", "zero2": "shardwise ZeRO-2",
              "zero3": "shardwise ZeRO-3", "torch-ddp": "torch DDP", "fsdp2": "torch FSDP2"}
     for kind in SIDES:
         r = res[kind]
         used = r["peak"] - r["baseline"]
-        led, at = ledger_total(r["ledger"]), ledger_at_peak(r["ledger"])
+        led = ledger_total(r["ledger"])
+        at = ledger_at_peak(r["ledger"], r.get("ledger_instant"))
         lines.append(f"| {names[kind]} | {r['peak'] / MiB:,.0f} | {r['peak'] / ddp:.2f} | "
                      f"{r['peak'] / fsdp:.2f} | {used / MiB:,.0f} | "
                      + (f"{led / MiB:,.0f} | {led / used:.2f} | {at / MiB:,.0f} | "
-                        f"{at / used:.2f} |" if led else "- | - | - | - |"))
+                        f"{at / used:.2f} | " + ("sampled" if r.get("ledger_instant") else "modelled")
+                        + " |" if led else "- | - | - | - | - |"))
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from shardwise.config import Config
 from shardwise.data.sampler import shard_rows
 from shardwise.layout import resolve
+from shardwise.memory.optim8bit import make_adamw8bit
 from shardwise.parallel.compose import parallelize
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
 from shardwise.runtime import Runtime, init_runtime
@@ -37,6 +38,8 @@ def optimizer_factory(cfg: Config) -> OptimizerFactory:
     def make(params):
         if t.optimizer == "sgd":
             return torch.optim.SGD(params, lr=t.lr, weight_decay=t.weight_decay)
+        if t.optimizer == "adamw8bit":       # both moments in 8 bits (memory/optim8bit.py)
+            return make_adamw8bit(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
         cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
         return cls(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     return make

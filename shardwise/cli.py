@@ -7,6 +7,7 @@ with one line on stderr (field, value, fix), exit code 2, before any process sta
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from shardwise.config import Config, ConfigError, flag_of, from_dict, read_file, section_fields
@@ -31,7 +32,12 @@ class _OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line on stderr (and exit code 2), not a usage dump."""
 
     def error(self, message: str):
-        print(f"error: {message}; fix: see '{self.prog} --help'", file=sys.stderr)
+        message = " ".join(message.split())   # an argument with a newline in it stays one line
+        fix = f"see '{self.prog} --help'"
+        if message.endswith("expected one argument"):    # '--lr -inf': '-inf' looks like a flag
+            flag = message.split(":")[0].replace("argument ", "").split("/")[0]
+            fix = f"give a value after {flag}; one starting with '-' as {flag}=VALUE"
+        print(f"error: {message}; fix: {fix}", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -58,13 +64,18 @@ def train_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@functools.lru_cache(maxsize=1)
+def _parser() -> argparse.ArgumentParser:
+    """train_parser(), built once (about 10 ms: a flag per config field); parsing leaves it as it was."""
+    return train_parser()
+
+
 def parse_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
     """Defaults <- --config file <- flags, then the layout resolved (shardwise/layout.py: a
     strategy the person named is a preset the axis flags must agree with). Raises ConfigError
     on a bad value."""
     from shardwise import layout
-    ap = train_parser()
-    args = ap.parse_args(argv)
+    args = _parser().parse_args(argv)
     cfg, named = Config(), hasattr(args, "parallel.strategy")
     if getattr(args, "config", None):
         data = read_file(args.config)
@@ -81,20 +92,65 @@ def parse_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
 
 
 def error(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
+    """Print one ``error:`` line (a message is one line by contract) and return exit code 2."""
+    print("error: " + msg.replace("\n", "\\n"), file=sys.stderr)
     return 2
+
+
+NON_FINITE_EXIT = 1     # the loss turned nan / inf (train.NonFiniteLoss), as any failed run
+
+
+def _resource_error(exc: BaseException, cfg: Config) -> str | None:
+    """The one line for a run that ran out of memory or disk (sizes validation could not rule
+    out), or None for any other error (a bug: its traceback shows)."""
+    import errno
+    import torch
+    from shardwise.comm.collectives import CollectiveError
+    if isinstance(exc, CollectiveError):
+        return None     # a peer stalled or died: its own line (_train_rank)
+    text = " ".join(str(exc).split())[:200]
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+            isinstance(exc, RuntimeError) and ("can't allocate memory" in text
+                                               or "out of memory" in text)):
+        return (f"out of memory ({text or type(exc).__name__}); fix: lower --batch-size or the "
+                "model size (--n-layer, --n-embd), or use --grad-accum, --activation-checkpointing"
+                ", --mixed-precision bf16 or --zero-stage 3")
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
+                                                  errno.EACCES):
+        import os
+        out = os.path.abspath(cfg.logging.out_dir)
+        named = exc.filename and not os.path.abspath(str(exc.filename)).startswith(out + os.sep)
+        if named:           # not one of the run's own files (a data or offload file)
+            return (f"writing {str(exc.filename)!r} failed ({exc.strerror or exc}); fix: free "
+                    "space there, or make it writable")
+        also = " (or --offload-dir: offload=disk writes there too)" if cfg.memory.offload == "disk" else ""
+        return (f"logging.out_dir = {cfg.logging.out_dir!r}: writing the run's files failed "
+                f"({exc.strerror or exc}); fix: free space there, or pick a writable folder "
+                f"with room (--out-dir){also}")
+    return None
+
+
+def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
+    """Everything ``shardwise train`` checks before it starts a process: parse the flags and
+    the config file, then validate the config against the world it will run in. Returns
+    (config, parsed flags, world size); raises ConfigError (or SystemExit(2) for a bad flag)."""
+    from shardwise import launch
+    from shardwise.layout import check_model_names
+    from shardwise.validate import check_ignored, validate
+    cfg, args = parse_config(argv)
+    world = launch.world_size(cfg)
+    validate(cfg, world)
+    check_ignored(cfg)
+    check_model_names(cfg)          # --freeze / --lora-targets against the model's names
+    _check_data_files(cfg)
+    _check_extras(cfg)
+    return cfg, args, world
 
 
 def cmd_train(argv: list[str]) -> int:
     from shardwise import launch
-    from shardwise.validate import check_ignored, validate
     try:
-        cfg, args = parse_config(argv)
-        world = launch.world_size(cfg)
-        validate(cfg, world)
-        check_ignored(cfg)
-        _check_data_files(cfg)
-        _check_extras(cfg)
+        cfg, args, world = check_train(argv)
     except ConfigError as exc:
         return error(str(exc))
     if getattr(args, "print_config", False):
@@ -145,6 +201,12 @@ def _train_here(cfg: Config, folder: str) -> int:
         return stopping.exit_code(exc.signum)
     except NonFiniteLoss as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
+        return NON_FINITE_EXIT
+    except (MemoryError, RuntimeError, OSError) as exc:
+        line = _resource_error(exc, cfg)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
         return 1
     shutdown(rt)
     return 0
@@ -174,7 +236,7 @@ def _train_rank(cfg: Config) -> int:
     except NonFiniteLoss as exc:
         if rt is not None and rt.is_main:
             print(f"error: {exc}", file=sys.stderr, flush=True)
-        code = 1
+        code = NON_FINITE_EXIT
     except CollectiveError as exc:
         if request.signum is not None:      # a peer left because we are all stopping
             code = stopping.exit_code(request.signum)
@@ -186,12 +248,18 @@ def _train_rank(cfg: Config) -> int:
                   "if a step can take that long", file=sys.stderr, flush=True)
             code = 1
     except BaseException as exc:
-        if request.signum is None and not isinstance(exc, stopping.Stopped):
+        stopped = request.signum is not None or isinstance(exc, stopping.Stopped)
+        line = None if stopped else _resource_error(exc, cfg)
+        if line is not None:     # out of memory or disk: one line; the launcher stops the rest
+            print(f"error: rank {rt.rank if rt else '?'}: {line}", file=sys.stderr, flush=True)
+            code = 1
+        elif not stopped:
             raise   # a real error: let the traceback show; torchrun stops the others
-        signum = request.signum or exc.signum
-        if not ours and rt is not None and rt.is_main:
-            print(stopping.stop_line(rundir.path(cfg)), file=sys.stderr, flush=True)
-        code = stopping.exit_code(signum)
+        else:
+            signum = request.signum or exc.signum
+            if not ours and rt is not None and rt.is_main:
+                print(stopping.stop_line(rundir.path(cfg)), file=sys.stderr, flush=True)
+            code = stopping.exit_code(signum)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

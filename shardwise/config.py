@@ -12,7 +12,9 @@ raises :class:`ConfigError`, whose message names the field, the value and the fi
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import os
+import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -96,6 +98,15 @@ class MemoryConfig:
                       ("none", "cpu", "disk"))
     offload_dir: str = _f("", "offload=disk: directory for memory-mapped state; empty = temp dir")
     activation_checkpointing: bool = _f(False, "recompute each block's activations in backward")
+    freeze: str = _f("", "freeze parameters: fnmatch globs over model.named_modules() names, "
+                     "comma-separated (e.g. 'blocks.0.*,tok_emb'); frozen ones get no gradient, "
+                     "no optimizer state, no traffic")
+    lora_rank: int = _f(0, "LoRA: rank of the low-rank adapters (0 = off); base weights frozen")
+    lora_alpha: float = _f(16.0, "LoRA: scale alpha (the adapter's output is scaled by alpha/rank)")
+    lora_targets: str = _f("", "LoRA: globs over module names of the Linear / HF Conv1D layers "
+                           "that get adapters, e.g. '*attn.qkv,*mlp.fc'")
+    memory_report: bool = _f(False, "print each rank's measured peak and, per enabled memory "
+                             "technique, the bytes it saved against the ledger without it")
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,8 @@ class TrainConfig:
     steps: int = _f(500, "optimizer steps to run")
     batch_size: int = _f(16, "global batch (sequences or images per step, all ranks together)")
     lr: float = _f(3e-3, "peak learning rate")
-    optimizer: str = _f("adamw", "optimizer", ("adamw", "adam", "sgd"))
+    optimizer: str = _f("adamw", "optimizer (adamw8bit: both Adam moments in 8 bits, "
+                        "block-wise scaled)", ("adamw", "adam", "sgd", "adamw8bit"))
     weight_decay: float = _f(0.0, "weight decay (AdamW: decoupled)")
     warmup_steps: int = _f(20, "linear learning-rate warmup steps")
     lr_schedule: str = _f("cosine", "after warmup: cosine decay to 10% or constant",
@@ -163,30 +175,92 @@ def section_fields():
             yield sec.name, f
 
 
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,60}$")
+_INT_DIGITS = 18        # "5e3" is 5000; more than 18 digits in exponent notation is no usable int
+
+
+def _shown(key: Any) -> str:
+    """A section or field name as a message shows it: plain names as they are, anything else
+    (a newline, 300 characters, a number) quoted, so that the message stays one line."""
+    return key if isinstance(key, str) and _PLAIN_KEY.match(key) else repr(key)[:60]
+
+
 def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
-    """Turn a file or flag value into the field's type, or raise ConfigError."""
+    """Turn a file or flag value into the field's type, or raise ConfigError.
+
+    bool: true / false (and 1 / 0, yes / no, on / off); int: a whole number (``5``, ``1_000``,
+    ``5e3``; never a bool, ``5.5`` or ``1.5e0``); float: any number (nan and inf pass here and
+    are refused by validate); text: a string or a number, never a YAML boolean (an unquoted
+    ``no`` / ``off`` in YAML), a list, a mapping or a NUL character. No value (YAML ``key:``
+    with nothing after it) is refused for every type."""
     kind = type(f.default)
     name = f"{section}.{f.name}"
+    if value is None:
+        raise ConfigError(name, value, "has no value", f"give one (e.g. {f.default!r}) or drop "
+                          "the line")
     if kind is bool:
         if isinstance(value, bool):
             return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
+        if isinstance(value, (int, str)) and str(value).lower() in ("1", "true", "yes", "on"):
             return True
-        if str(value).lower() in ("0", "false", "no", "off"):
+        if isinstance(value, (int, str)) and str(value).lower() in ("0", "false", "no", "off"):
             return False
         raise ConfigError(name, value, "not a boolean", "use true or false")
+    if kind is int:
+        return _as_int(name, f, value)
+    if kind is float:
+        return _as_float(name, f, value)
+    return _as_text(name, f, value)
+
+
+def _as_int(name: str, f: dataclasses.Field, value: Any) -> int:
+    """A whole number; range checks (at most 2**63 - 1, positive...) are validate's."""
+    refuse = ConfigError(name, value, "not an int of a usable size", f"give a number, e.g. {f.default}")
+    if isinstance(value, bool):
+        raise refuse
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise refuse
+        return _as_int(name, f, repr(value))   # 1e30 as a float is not exactly 10**30
+    if not isinstance(value, str):
+        raise refuse
+    text = value.strip()
     try:
-        if kind is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
-        if kind is float:
-            return float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ConfigError(name, value, f"not a{'n' if kind is int else ''} {kind.__name__}"
-                          + (" of a usable size" if kind is int else ""),
-                          f"give a number, e.g. {f.default}") from None
-    return str(value)
+        return int(text)                       # "5", "-3", "1_000", "99999999999999999999"
+    except ValueError:
+        pass
+    try:
+        number = decimal.Decimal(text)         # "5e3", "5.0e0": exact, no float rounding
+    except decimal.InvalidOperation:
+        raise refuse from None
+    if not number.is_finite() or number.adjusted() >= _INT_DIGITS or number != number.to_integral_value():
+        raise refuse
+    return int(number)
+
+
+def _as_float(name: str, f: dataclasses.Field, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(name, value, "not a float", f"give a number, e.g. {f.default}")
+    try:
+        return float(value)
+    except (ValueError, OverflowError):
+        raise ConfigError(name, value, "not a float", f"give a number, e.g. {f.default}") from None
+
+
+def _as_text(name: str, f: dataclasses.Field, value: Any) -> str:
+    if isinstance(value, bool):     # YAML reads an unquoted no / off / yes / on as a boolean
+        raise ConfigError(name, value, "a boolean, not text (YAML reads unquoted no, off, yes "
+                          "and on as booleans)", "quote the value, e.g. 'no' or 'off'")
+    if isinstance(value, (int, float)):
+        return str(value)
+    if not isinstance(value, str):
+        raise ConfigError(name, value, f"a {type(value).__name__}, not text",
+                          f"give one string, e.g. {f.default!r}")
+    if "\x00" in value:
+        raise ConfigError(name, value, "holds a NUL character", "remove it")
+    return value
 
 
 def from_dict(data: dict, base: Config | None = None) -> Config:
@@ -197,19 +271,21 @@ def from_dict(data: dict, base: Config | None = None) -> Config:
         raise ConfigError("--config", type(data).__name__, "the file must hold a mapping of sections",
                           "write [section] tables (TOML) or 'section:' mappings (YAML)")
     for sec, values in data.items():
-        if not isinstance(sec, str) or (isinstance(values, dict) and
-                                        not all(isinstance(k, str) for k in values)):
-            raise ConfigError("--config", sec, "section and field names must be text",
-                              "quote the key, e.g. 'steps: 50' under 'train:'")
+        if not isinstance(sec, str):
+            raise ConfigError("--config", sec, "section names must be text",
+                              f"use section names: {', '.join(known)}")
         if sec not in known:
-            raise ConfigError(sec, "...", "unknown section", f"use one of {', '.join(known)}")
+            raise ConfigError(_shown(sec), "...", "unknown section", f"use one of {', '.join(known)}")
         if not isinstance(values, dict):
             raise ConfigError(sec, values, "a section must be a table", f"write [{sec}] then fields")
         updates = {}
         for key, value in values.items():
+            if not isinstance(key, str):
+                raise ConfigError("--config", key, f"field names (under {sec}) must be text",
+                                  "quote the key, e.g. 'steps: 50' under 'train:'")
             key = key.replace("-", "_")
             if key not in known[sec]:
-                raise ConfigError(f"{sec}.{key}", value, "unknown field",
+                raise ConfigError(f"{sec}.{_shown(key)}", value, "unknown field",
                                   f"use one of {', '.join(known[sec])}")
             updates[key] = _coerce(sec, known[sec][key], value)
         cfg = replace(cfg, **{sec: replace(getattr(cfg, sec), **updates)})
@@ -222,9 +298,13 @@ def load_file(path: str, base: Config | None = None) -> Config:
 
 
 def read_file(path: str) -> dict:
-    """The nested mapping a TOML (.toml) or YAML (.yaml / .yml) file holds."""
+    """The nested mapping a TOML (.toml) or YAML (.yaml / .yml) file holds (an empty YAML file
+    holds no settings: ``{}``). Whether it is a mapping of sections is from_dict's check."""
     if not os.path.isfile(path):
-        raise ConfigError("--config", path, "no such file", "give the path of a .toml or .yaml file")
+        why = "not a file" if os.path.exists(path) else "no such file"
+        raise ConfigError("--config", path, why, "give the path of a .toml or .yaml file")
+    if not path.endswith((".toml", ".yaml", ".yml")):
+        raise ConfigError("--config", path, "unknown file type", "use a .toml or .yaml file")
     try:
         if path.endswith(".toml"):
             try:
@@ -233,16 +313,17 @@ def read_file(path: str) -> dict:
                 import tomli as tomllib
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
-        elif path.endswith((".yaml", ".yml")):
-            import yaml
-            with open(path) as fh:
-                data = yaml.safe_load(fh) or {}
         else:
-            raise ConfigError("--config", path, "unknown file type", "use a .toml or .yaml file")
-    except ConfigError:
-        raise
-    except Exception as exc:  # a parse error: say where, without a traceback
-        raise ConfigError("--config", path, f"cannot be parsed ({exc})", "fix the file's syntax") from None
+            import yaml
+            with open(path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh)
+            data = {} if data is None else data
+    except OSError as exc:
+        raise ConfigError("--config", path, f"cannot be read ({exc.strerror or exc})",
+                          "give a file you can read") from None
+    except Exception as exc:  # a parse error: say where, on one line, without a traceback
+        where = " ".join(str(exc).split())
+        raise ConfigError("--config", path, f"cannot be parsed ({where})", "fix the file's syntax") from None
     return data
 
 

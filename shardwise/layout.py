@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from shardwise.config import Config, ConfigError
 from shardwise.presets import DATA_MODEL, PRESETS, zero_stage  # noqa: F401 (re-exported)
+from shardwise.memory import checks as memory_checks
 from shardwise.parallel import dp_checks, ps_checks, tensor_checks
 from shardwise.parallel.data import checks as data_checks
 from shardwise.parallel.pipeline import checks as pipeline_checks
@@ -93,6 +94,19 @@ def check_components(cfg: Config, world_size: int, dp: int) -> None:
     pipeline_checks.check(cfg, world_size, dp)
     ps_checks.check(cfg, world_size)
     dp_checks.check(cfg, world_size)
+    memory_checks.check(cfg)
+
+
+def check_model_names(cfg: Config) -> None:
+    """``shardwise train``: the freeze / LoRA globs against the model the run builds (on the
+    meta device: no memory, no weights), before any process starts."""
+    if not cfg.memory.freeze and cfg.memory.lora_rank == 0:
+        return
+    import torch
+    from shardwise.models import build_model
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.train.seed)
+    memory_checks.check_names(cfg, model)
 
 
 # what to change so that a refused setting is read (validate.check_ignored's fix)

@@ -79,6 +79,14 @@ def print_summary(summary: dict, console=None) -> None:
         rows.append(("model FLOP utilisation", f"{100 * summary['mfu']:.1f}%"))
     for r, (mem, sent) in enumerate(zip(summary["peak_memory_per_rank"], summary["bytes_sent_per_rank"])):
         rows.append((f"rank {r}: peak memory / sent per step", f"{human_bytes(mem)} / {human_bytes(sent)}"))
+    if summary.get("trainable_parameters"):
+        trainable, total = summary["trainable_parameters"]
+        if trainable != total:
+            rows.append(("rank 0 trainable parameters", f"{trainable:,} of {total:,} "
+                         f"({100 * trainable / max(1, total):.2f}%)"))
+    if summary.get("loss_scale"):
+        ls = summary["loss_scale"]
+        rows.append(("fp16 loss scale / skipped steps", f"{ls['loss_scale']:g} / {ls['skipped_steps']}"))
     for k, v in summary.get("ledger", {}).items():
         rows.append((f"rank 0 holds {k}", human_bytes(v)))
     for k, v in rows:

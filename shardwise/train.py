@@ -5,7 +5,11 @@ Per step: learning rate from the schedule -> this process's shard of the global 
 Rank 0 shows a progress bar (or a log line every ``log_every`` steps when stdout is not a
 terminal), writes ``metrics.jsonl`` (the mean over each logging window; shardwise/runlog.py) and
 ``summary.json``, and prints the summary table. SIGINT / SIGTERM stop the loop cleanly
-(shardwise/stopping.py). Per-rank figures (peak memory, bytes sent)
+(shardwise/stopping.py). A loss that turns nan or infinite stops the loop at that step with
+:class:`NonFiniteLoss` (the CLI prints its one line and exits 1; the metrics so far are kept):
+the check reads the float ``train_step`` already returns every step (averaged over the data
+shards, so every rank sees the same value and all stop together), so it adds no device sync.
+Per-rank figures (peak memory, bytes sent)
 are gathered to rank 0 with one small object collective per logged step (metered as 'objects',
 left out of the traffic figures).
 """
@@ -24,7 +28,7 @@ from shardwise.comm.collectives import CollectiveError
 from shardwise.config import Config, to_dict
 from shardwise.data import build_data
 from shardwise.layout import describe
-from shardwise import rundir, stopping
+from shardwise import memreport, rundir, stopping
 from shardwise.metrics import device_peak_flops, peak_memory_bytes, print_summary
 from shardwise.models import build_model, loss_for
 from shardwise.runlog import RunLog, Window, strict_tree
@@ -125,12 +129,17 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
         log.close()
     summary = _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak,
                        time.perf_counter() - start, train_sent)
+    if cfg.memory.memory_report:      # every rank: the counterfactual forwards may communicate
+        summary["memory_report"] = memreport.report(cfg, engine.strategy, x,
+                                                    lambda v: _per_rank(rt, v))
     if main:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "summary.json"), "w") as fh:
             json.dump(strict_tree({**summary, "config": to_dict(cfg)}), fh, indent=2, allow_nan=False)
         if not quiet:
             print_summary(summary)
+            if "memory_report" in summary:
+                memreport.print_report(summary["memory_report"])
             print(f"metrics: {os.path.join(out, 'metrics.jsonl')}  summary: {os.path.join(out, 'summary.json')}")
     summary["engine"] = engine
     return summary
@@ -178,4 +187,15 @@ def _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, pe
         "peak_memory_per_rank": _per_rank(rt, peak_memory_bytes(rt.device)),
         "bytes_sent_per_rank": _per_rank(rt, sent_per_step),
         "comm": meter.snapshot(), "ledger": engine.strategy.memory_ledger(),
+        "trainable_parameters": _trainable(engine),
+        "loss_scale": engine.strategy.scaler.report(),     # fp16: scale and skipped steps
     }
+
+
+def _trainable(engine: Engine) -> list[int] | None:
+    """(trainable, total) parameter elements this rank holds (LoRA / freeze report it)."""
+    model = engine.strategy.model
+    if model is None:
+        return None
+    params = list(model.parameters())
+    return [sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)]

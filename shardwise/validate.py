@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 import os
 
-from shardwise import layout
-from shardwise.config import Config, ConfigError, MemoryConfig, ParallelConfig, section_fields
+from shardwise import layout, rundir
+from shardwise.config import (Config, ConfigError, MemoryConfig, ModelConfig, ParallelConfig,
+                              section_fields)
 
 from shardwise.presets import SINGLE_PROCESS, resolve_dp  # noqa: F401 (re-exported)
 
@@ -30,13 +31,33 @@ def _choices(cfg: Config) -> None:
                               f"choose one of {', '.join(choices)}")
 
 
-def _finite(cfg: Config) -> None:
-    """No float setting may be nan or infinite (``--weight-decay nan`` would train to NaN)."""
+INT_LIMIT = 2**63          # torch and numpy index with int64: no int setting reaches this
+SEED_LIMIT = 2**32         # numpy's generators take seeds in [0, 2**32); torch takes more
+TIMEOUT_LIMIT_S = 1e9      # seconds (about 31 years): datetime.timedelta and torch's
+                           # millisecond timeouts overflow far above; "never" in practice
+
+
+def _numbers(cfg: Config) -> None:
+    """Every number is usable: no float is nan or infinite (``--weight-decay nan`` would train
+    to NaN, ``--collective-timeout inf`` overflows a timedelta), the seed is one every
+    generator takes, and no int reaches int64's limit (tensors and indices are int64)."""
     for sec, f in section_fields():
         value = getattr(getattr(cfg, sec), f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{sec}.{f.name}", value, "not a finite number",
                               f"give a number, e.g. {f.default}")
+    if not 0 <= cfg.train.seed < SEED_LIMIT:
+        raise ConfigError("train.seed", cfg.train.seed, "out of range", "use 0 <= seed < 2**32")
+    for sec, f in section_fields():
+        value = getattr(getattr(cfg, sec), f.name)
+        if type(value) is int and not -INT_LIMIT < value < INT_LIMIT:
+            raise ConfigError(f"{sec}.{f.name}", value, "too large (beyond 2**63)",
+                              f"give a number of a usable size, e.g. {f.default}")
+    for name, value in (("train.collective_timeout", cfg.train.collective_timeout),
+                        ("parallel.ps_timeout", cfg.parallel.ps_timeout)):
+        if value > TIMEOUT_LIMIT_S:
+            raise ConfigError(name, value, f"longer than {TIMEOUT_LIMIT_S:g} seconds (about 31 "
+                              "years)", "give seconds, e.g. 300")
 
 
 def check_ignored(cfg: Config) -> None:
@@ -81,7 +102,8 @@ def _positive(cfg: Config) -> None:
                     "parallel.staleness": cfg.parallel.staleness,
                     "parallel.bucket_mb": cfg.parallel.bucket_mb,
                     "train.weight_decay": cfg.train.weight_decay,
-                    "train.grad_clip": cfg.train.grad_clip}
+                    "train.grad_clip": cfg.train.grad_clip,
+                    "memory.lora_rank": cfg.memory.lora_rank}
     for name, value in non_negative.items():
         if value < 0:
             raise ConfigError(name, value, "must not be negative", "give a number >= 0")
@@ -104,8 +126,6 @@ def _model(cfg: Config) -> None:
     if m.name == "gpt" and cfg.data.dataset == "stdlib" and m.vocab_size < 256:
         raise ConfigError("model.vocab_size", m.vocab_size, "the stdlib corpus is byte tokens "
                           "(0-255)", "use --vocab-size 256 or more")
-    if not 0 <= cfg.train.seed < 2**32:
-        raise ConfigError("train.seed", cfg.train.seed, "out of range", "use 0 <= seed < 2**32")
     if m.name == "lenet" and cfg.data.dataset in ("stdlib", "synthetic"):
         raise ConfigError("data.dataset", cfg.data.dataset, "LeNet needs an image data set",
                           "use --dataset digits, mnist or fashion-mnist")
@@ -115,6 +135,58 @@ def _model(cfg: Config) -> None:
     if m.name == "lenet" and cfg.memory.activation_checkpointing:
         raise ConfigError("memory.activation_checkpointing", True, "LeNet has no transformer blocks",
                           "drop --activation-checkpointing, or train the GPT")
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _fits_in_memory(cfg: Config, world_size: int) -> None:
+    """Sizes that cannot fit in this machine's memory, however the work is split: lower bounds
+    of what the run must hold, so a run that could fit is never refused (running out of memory
+    later is still possible, and ends with one line too: cli.py).
+
+    * every rank builds the whole model in fp32 on the CPU before any sharding: 4 bytes per
+      weight (a GPT holds at least 12 n_layer n_embd^2 + (vocab_size + block_size) n_embd);
+    * every rank draws the global batch's indices (8 bytes a row) and fetches its own rows, at
+      least batch_size / world_size of them: int64 windows (twice (block_size + 1) x 8 bytes)
+      or 28 x 28 fp32 images;
+    * a GPT on a CPU: one micro-batch's logits (rows x block_size x vocab_size / tp, fp32)."""
+    ram, m = machine_memory_bytes(), cfg.model
+    if not ram:
+        return
+    gib = lambda n: f"{n / 2**30:,.3g} GiB"
+    gpt = m.name == "gpt"
+    weights = 4 * (12 * m.n_layer * m.n_embd**2 + (m.vocab_size + m.block_size) * m.n_embd)
+    if gpt and weights > ram:
+        blown = max(("n_layer", "n_embd", "vocab_size"),
+                    key=lambda k: getattr(m, k) / getattr(ModelConfig(), k))
+        raise ConfigError(f"model.{blown}", getattr(m, blown), f"the GPT's fp32 weights alone take"
+                          f" {gib(weights)}, more than this machine's {gib(ram)} (every rank "
+                          "builds the whole model)", "make the model smaller (--n-layer, --n-embd,"
+                          " --vocab-size)")
+    rows = max(1, cfg.train.batch_size // max(1, world_size))
+    batch = 8 * cfg.train.batch_size + rows * (2 * 8 * (m.block_size + 1) if gpt else 4 * 28 * 28)
+    micro = max(1, rows // (cfg.memory.grad_accum * (cfg.parallel.num_microbatches
+                                                     if cfg.parallel.pp > 1 else 1)))
+    logits = 4 * micro * m.block_size * m.vocab_size // max(1, cfg.parallel.tp) if gpt else 0
+    if batch > ram or (logits > ram and _on_cpu(cfg)):
+        what = "its rows" if batch > ram else "one micro-batch's logits"
+        raise ConfigError("train.batch_size", cfg.train.batch_size, f"{what} alone take "
+                          f"{gib(batch if batch > ram else logits)} per rank, more than this machine's {gib(ram)}",
+                          "use a smaller --batch-size" + ("" if batch > ram else
+                                                          " (or more --grad-accum)"))
+
+
+def _on_cpu(cfg: Config) -> bool:
+    if cfg.train.device != "auto":
+        return cfg.train.device == "cpu"
+    import torch
+    return not torch.cuda.is_available()
 
 
 def _data(cfg: Config) -> None:
@@ -151,19 +223,75 @@ def _runtime_checks(cfg: Config, world_size: int) -> None:
             raise ConfigError("train.device", "cuda", "no CUDA device is visible",
                               "use --device cpu (or auto)")
     _check_writable(cfg.logging.out_dir)
-    png = cfg.logging.schedule_png
-    if png and png != "off":
-        _check_writable(os.path.dirname(os.path.abspath(png)), "logging.schedule_png", png)
+    rundir.check_name(cfg.logging.run_name)     # a plain folder name: no '/', '..', 300 bytes
+    _check_picture(cfg.logging.schedule_png)
+
+
+# what matplotlib's savefig writes, by the picture's file suffix (none: PNG)
+PICTURE_SUFFIXES = ("", ".png", ".svg", ".svgz", ".pdf", ".jpg", ".jpeg", ".tif", ".tiff",
+                    ".webp", ".eps", ".ps", ".pgf", ".raw", ".rgba")
+
+
+def _check_picture(png: str) -> None:
+    """logging.schedule_png: a file name savefig can write, in a folder that can be written."""
+    if not png or png == "off":
+        return
+    field = "logging.schedule_png"
+    suffix = os.path.splitext(png)[1].lower()
+    if os.path.isdir(png) or png.endswith(os.sep):
+        raise ConfigError(field, png, "is a directory, not a file name",
+                          "give a file name such as runs/schedule.png")
+    if suffix not in PICTURE_SUFFIXES:
+        raise ConfigError(field, png, f"{suffix} is not a picture format",
+                          "end the name with .png (or .svg, .pdf)")
+    _check_writable(os.path.dirname(os.path.abspath(png)), field, png)
+    _check_name_lengths(os.path.abspath(png), field, png)
+
+
+def _check_name_lengths(path: str, field: str, shown: str) -> None:
+    """Every part of a path within the file system's limits (255 bytes a name on Linux)."""
+    for part in path.split(os.sep):
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise ConfigError(field, shown if len(shown) <= 60 else shown[:57] + "...",
+                              f"a name in it is {len(os.fsencode(part))} bytes long, more than the "
+                              f"{NAME_MAX} a file name may have", "use shorter names")
+    if len(os.fsencode(path)) > PATH_MAX:
+        raise ConfigError(field, shown[:57] + "...", f"longer than {PATH_MAX} bytes",
+                          "use a shorter path")
+
+
+NAME_MAX = 255
+PATH_MAX = 3900           # 4096, less room for the run's own name and files
 
 
 def _check_writable(path: str, field: str = "logging.out_dir", shown: str | None = None) -> None:
-    """out_dir, or the nearest folder above it that exists, must be writable."""
+    """out_dir, or the nearest folder above it that exists, must be a folder this process can
+    create files in: tried with a temporary file (removed at once), so that root in a
+    read-only folder (os.access says yes), /proc or a read-only mount are caught here too."""
+    import tempfile
+    shown = shown or path
     probe = os.path.abspath(path)
+    if field == "logging.out_dir":
+        _check_name_lengths(probe, field, shown)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
-        raise ConfigError(field, shown or path, "cannot be written here",
+    if not os.path.isdir(probe):
+        raise ConfigError(field, shown, f"cannot be written here ({probe} is a file)",
                           "give a directory you can write to")
+    try:
+        with tempfile.TemporaryFile(dir=probe, prefix=".shardwise-probe-"):
+            pass
+        disk = os.statvfs(probe)
+    except OSError as exc:
+        raise ConfigError(field, shown, f"cannot be written here (no file can be made in {probe}:"
+                          f" {exc.strerror or exc})", "give a directory you can write to") from None
+    free = disk.f_bavail * disk.f_frsize
+    if free < MIN_FREE_BYTES:
+        raise ConfigError(field, shown, f"the disk holding {probe} is full ({free // 1024} KiB "
+                          "free)", "free some space, or give a directory on another disk")
+
+
+MIN_FREE_BYTES = 1 << 20   # a run's config, metrics and summary need some room: 1 MiB at least
 
 
 def _layout(cfg: Config, world_size: int) -> None:
@@ -188,9 +316,10 @@ def _layout(cfg: Config, world_size: int) -> None:
 def validate(cfg: Config, world_size: int) -> Config:
     """Raise ConfigError on the first bad setting; return cfg unchanged when all is well."""
     _choices(cfg)
-    _finite(cfg)
+    _numbers(cfg)
     _positive(cfg)
     _model(cfg)
+    _fits_in_memory(cfg, world_size)
     _data(cfg)
     _layout(cfg, world_size)
     _accumulation(cfg, world_size)

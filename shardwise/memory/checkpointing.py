@@ -7,6 +7,8 @@ module in ``model.blocks`` (shardwise's GPT), so it composes with tensor and pip
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
@@ -19,5 +21,20 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
                          "(shardwise's GPT); fix: drop --activation-checkpointing for this model")
     for block in blocks:
         inner = block.forward
-        block.forward = lambda *a, _f=inner, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+        block.checkpointed = True
+        block.forward = lambda *a, _f=inner, _b=block, **k: (
+            checkpoint(_f, *a, use_reentrant=False, **k) if _b.checkpointed else _f(*a, **k))
     return len(blocks)
+
+
+@contextlib.contextmanager
+def checkpointing_off(model: nn.Module):
+    """Run the blocks without recomputation inside (the memory report's counterfactual)."""
+    blocks = [b for b in getattr(model, "blocks", []) if getattr(b, "checkpointed", False)]
+    for b in blocks:
+        b.checkpointed = False
+    try:
+        yield
+    finally:
+        for b in blocks:
+            b.checkpointed = True

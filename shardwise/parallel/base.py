@@ -18,7 +18,8 @@ all through these methods:
     evaluate(x, y) -> (loss, acc)    global mean loss (and accuracy for classifiers), no update
     full_state_dict() -> dict        the whole model's parameters by name (gathered if sharded)
     state_dict() / load_state_dict() model + optimizer, for checkpoints
-    memory_ledger() -> dict          bytes this rank holds, by category
+    memory_ledger() -> dict          bytes this rank holds, by category (memory_at_peak(): at
+                                     the instant its transients peaked; parallel/ledger.py)
 
 The base class is the plain single-process behaviour, so a subclass overrides only what differs.
 
@@ -57,9 +58,10 @@ from shardwise.comm.collectives import Comm
 from shardwise.config import Config
 from shardwise.memory.amp import autocast_context
 from shardwise.mesh import Mesh
+from shardwise.parallel.ledger import ActivationLedger
+from shardwise.parallel.scaling import LossScaling
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
-ACT_SAMPLES = 3        # training forwards whose saved activations the ledger measures
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -133,7 +135,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
-class Strategy:
+class Strategy(ActivationLedger, LossScaling):
     """Plain training on one process; the reference every other strategy must equal."""
     name = "single"
 
@@ -143,7 +145,8 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.grad_accum = cfg.memory.grad_accum
         self.plan = None      # a TensorPlan when the model is tensor-parallel (compose.py)
-        self._act_peak = 0    # bytes autograd saved for backward in one forward, at most
+        self._init_activation_ledger()   # parallel/ledger.py
+        self._init_loss_scaling()        # parallel/scaling.py (fp16)
 
     # -- set-up ---------------------------------------------------------------------------
     def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
@@ -156,38 +159,18 @@ class Strategy:
 
     # -- one step -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor):
-        with self.autocast():
+        if not torch.is_grad_enabled():
+            with self.autocast():
+                return self.model(x)
+        with self.autocast(), self._measure_activations():
             return self.model(x)
-
-    @contextlib.contextmanager
-    def _measure_activations(self):
-        """Sum the distinct storages autograd saves for backward (parameters and views of them
-        excluded; ``_cdata`` names a storage itself, which ZeRO-3's release and refill keep);
-        the ledger's ``activations_peak`` is the largest such sum of one forward. The hook costs
-        Python time per saved tensor, so only the first ``ACT_SAMPLES`` forwards are measured
-        (a training loop's shapes repeat)."""
-        self._act_samples = getattr(self, "_act_samples", 0) + 1
-        if self._act_samples > ACT_SAMPLES:
-            yield
-            return
-        seen: dict[int, int] = {}
-        weights = {p.untyped_storage()._cdata for p in self.model.parameters()}
-
-        def pack(t):
-            s = t.untyped_storage()
-            if s._cdata not in weights:
-                seen[s._cdata] = s.nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-        self._act_peak = max(self._act_peak, sum(seen.values()))
 
     def autocast(self):
         """The mixed-precision context (memory.mixed_precision) every strategy's forward uses."""
         return autocast_context(self.cfg.memory.mixed_precision, self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        self._scaled(loss).backward()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -195,7 +178,9 @@ class Strategy:
         yield
 
     def step(self) -> None:
-        self.optimizer.step()
+        if not self._overflowed():       # fp16: skipped on every rank when any overflowed
+            self.optimizer.step()
+        self._end_step()
         self.optimizer.zero_grad(set_to_none=True)
 
     # -- gradient clipping (see the module docstring for the hooks) ------------------------
@@ -205,6 +190,8 @@ class Strategy:
         norm before clipping (fp32 scalar, the same on every rank). Call between backward and
         step; collectives: whatever ``_finish_grad_sync`` and ``_sum_grad_sq`` need."""
         self._finish_grad_sync()
+        if self._overflowed():           # fp16: this step is skipped; nothing to clip
+            return torch.tensor(float("inf"), device=self.device)
         total = self._sum_grad_sq(self._local_grad_sq()).sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self._scale_grads(coef)
@@ -307,4 +294,5 @@ class Strategy:
             "optimizer_states": optimizer_state_bytes(self.optimizer),
             "master_weights": 0,
             "comm_buffers": 0,
+            "activations_peak": self._act_peak,
         }

@@ -4,6 +4,10 @@
 
 Order (torchtitan's ``parallelize``; each step sees only what the earlier ones made):
 
+ 0. model techniques  LoRA adapters injected (``memory.lora_rank`` > 0: base weights frozen;
+                     memory/lora.py), then ``memory.freeze``'s globs frozen (memory/freeze.py):
+                     every later step keeps requires_grad, and every data-parallel stage gives
+                     frozen parameters no gradient, optimizer state or traffic
  1. model plan       which parameters tensor parallelism splits and how (shardwise's GPT:
                      parallel/tensor.py; other models: tp and pp are refused with one line)
  2. tensor parallel  global rank 0's weights broadcast over the world (meter
@@ -33,6 +37,8 @@ from shardwise.comm.collectives import Comm
 from shardwise.config import Config
 from shardwise.presets import DATA_MODEL, zero_stage
 from shardwise.memory.checkpointing import apply_activation_checkpointing
+from shardwise.memory.freeze import freeze
+from shardwise.memory.lora import inject_lora
 from shardwise.mesh import Mesh
 from shardwise.parallel import strategy_class
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
@@ -48,8 +54,12 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
                 comm: Comm, device: torch.device, loss_fn: LossFn) -> Strategy:
     """Apply ``cfg``'s layout (resolved: shardwise/layout.resolve) to ``model`` in the order of
     the module docstring; returns the strategy that trains it."""
-    p = cfg.parallel
-    if cfg.memory.activation_checkpointing:                       # 4 (before any hooks)
+    p, m = cfg.parallel, cfg.memory
+    if m.lora_rank > 0:                                           # 0
+        inject_lora(model, m.lora_rank, m.lora_alpha, m.lora_targets)
+    if m.freeze:
+        freeze(model, m.freeze)
+    if m.activation_checkpointing:                                # 4 (before any hooks)
         apply_activation_checkpointing(model)
     if p.strategy not in DATA_MODEL:                              # single, dp, ps
         strategy = strategy_class(p.strategy)(cfg, mesh, comm, device, loss_fn)

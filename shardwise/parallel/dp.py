@@ -70,7 +70,7 @@ class DataParallelStrategy(Strategy):
             with self.autocast():
                 out = model(xm.to(dev))
             loss = self.loss_fn(as_float(out), ym.to(dev))
-            (loss / len(xs)).backward()
+            self._scaled(loss / len(xs)).backward()
             total += loss.detach()
         return total / len(xs)
 
@@ -116,7 +116,9 @@ class DataParallelStrategy(Strategy):
             self._allreduce_grads()
         if self.cfg.train.grad_clip > 0:
             super().clip_grad_norm_(self.cfg.train.grad_clip)
-        list(self.pool.map(lambda opt: opt.step(), self.optimizers))
+        if not self._overflowed():      # fp16 (parallel/scaling.py): skip a step that overflowed
+            list(self.pool.map(lambda opt: opt.step(), self.optimizers))
+        self._end_step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return float(sum(loss.to(self.devices[0]) for loss in losses) / k)

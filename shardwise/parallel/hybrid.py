@@ -86,6 +86,7 @@ class HybridStrategy(PipelineZero1, Strategy):
             self.dp = DDPStrategy(self.cfg, mesh, self.comm, self.device, self.loss_fn)
             self.dp.plan = TensorPlan(local, self.comm, mesh.tp_group, stages=mesh.pp_group)
             self.dp.wrap(stage_model, optimizer_factory)
+            self.dp.scaler = self.scaler       # one fp16 loss scale (parallel/scaling.py)
             self.optimizer = self.dp.optimizer
         else:
             self._build_optimizer(optimizer_factory)
@@ -125,7 +126,9 @@ class HybridStrategy(PipelineZero1, Strategy):
         if self.dp is not None:
             self.dp.step()
             return
-        self.optimizer.step()        # the hooks below reduce first and gather after
+        if not self._overflowed():   # fp16: skipped on every rank (parallel/scaling.py)
+            self.optimizer.step()    # the hooks below reduce first and gather after
+        self._end_step()
         self.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -152,7 +155,9 @@ class HybridStrategy(PipelineZero1, Strategy):
                 self.dp.begin_pass()
                 hook = functools.partial(self._on_backward, k == chunks - 1)
             loss, self.last_records = self.executor.run(self.actions, xs, ys, shape,
-                                                        1 / (m * chunks), on_backward=hook)
+                                                        self.scaler.scale / (m * chunks),
+                                                        on_backward=hook)
+            loss = loss / self.scaler.scale
             total += loss
         self._clip_if_configured()
         self.step()

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from shardwise.comm.autograd import (copy_to_tp, reduce_from_tp, shard_range, split_sizes,
                                      vocab_parallel_cross_entropy, vocab_parallel_embedding)
 from shardwise.comm.collectives import Comm, Group
+from shardwise.memory.lora import LoRALinear
+from shardwise.parallel.tensor_lora import ColumnParallelLoRA, RowParallelLoRA
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,11 @@ def shard_tensor(t: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torc
     return t.detach().index_select(spec.dim, _rows(spec, rank, size)).clone()
 
 
+def _like(t: torch.Tensor, original: nn.Parameter) -> nn.Parameter:
+    """A slice as a Parameter that keeps the original's requires_grad (frozen stays frozen)."""
+    return nn.Parameter(t, requires_grad=original.requires_grad)
+
+
 class ColumnParallelLinear(nn.Module):
     """y_local = f(x) @ W_r^T + b_r: output features split; input replicated (f: allreduce
     backward). Built from the full nn.Linear, so it equals it for the same seed."""
@@ -65,9 +72,10 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.comm, self.group, self.name = comm, group, name
         self.spec = ShardSpec(0, linear.out_features // parts, parts)
-        self.weight = nn.Parameter(shard_tensor(linear.weight, self.spec, group.rank, group.size))
-        self.bias = None if linear.bias is None else nn.Parameter(
-            shard_tensor(linear.bias, self.spec, group.rank, group.size))
+        self.weight = _like(shard_tensor(linear.weight, self.spec, group.rank, group.size),
+                            linear.weight)
+        self.bias = None if linear.bias is None else _like(
+            shard_tensor(linear.bias, self.spec, group.rank, group.size), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.comm, self.group, self.name)          # (B, T, in) replicated
@@ -82,8 +90,10 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.comm, self.group, self.name = comm, group, name
         self.spec = ShardSpec(1, linear.in_features)
-        self.weight = nn.Parameter(shard_tensor(linear.weight, self.spec, group.rank, group.size))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.weight = _like(shard_tensor(linear.weight, self.spec, group.rank, group.size),
+                            linear.weight)
+        self.bias = None if linear.bias is None else _like(linear.bias.detach().clone(),
+                                                           linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.comm, self.group, self.name)  # (B, T, out)
@@ -98,7 +108,7 @@ class VocabParallelEmbedding(nn.Module):
         self.comm, self.group = comm, group
         self.spec = ShardSpec(0, emb.num_embeddings)
         self.vocab_start = shard_range(emb.num_embeddings, group.rank, group.size)[0]
-        self.weight = nn.Parameter(shard_tensor(emb.weight, self.spec, group.rank, group.size))
+        self.weight = _like(shard_tensor(emb.weight, self.spec, group.rank, group.size), emb.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_embedding(ids, self.weight, self.vocab_start, self.comm, self.group)
@@ -119,13 +129,13 @@ def apply_tensor_parallel(model: nn.Module, mesh, comm: Comm) -> dict[str, Shard
         raise ValueError(f"tp = {group.size} does not divide n_head = {model.cfg.n_head}")
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(attn.qkv, comm, group, parts=3)
-        attn.proj = RowParallelLinear(attn.proj, comm, group)
+        attn.qkv = _column(attn.qkv, comm, group, parts=3)
+        attn.proj = _row(attn.proj, comm, group)
         attn.n_head = model.cfg.n_head // group.size                 # local heads
-        mlp.fc = ColumnParallelLinear(mlp.fc, comm, group)
-        mlp.proj = RowParallelLinear(mlp.proj, comm, group)
+        mlp.fc = _column(mlp.fc, comm, group)
+        mlp.proj = _row(mlp.proj, comm, group)
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, comm, group)
-    model.head = ColumnParallelLinear(model.head, comm, group, name="tp_vocab")
+    model.head = _column(model.head, comm, group, name="tp_vocab")
     specs = {}
     for mod_name, mod in model.named_modules():
         if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
@@ -134,7 +144,25 @@ def apply_tensor_parallel(model: nn.Module, mesh, comm: Comm) -> dict[str, Shard
                 specs[f"{mod_name}.bias"] = mod.spec
         elif isinstance(mod, RowParallelLinear):
             specs[f"{mod_name}.weight"] = mod.spec
+        elif isinstance(mod, ColumnParallelLoRA):      # B split like the base's rows
+            specs[f"{mod_name}.lora_B"] = mod.spec
+        elif isinstance(mod, RowParallelLoRA):         # A split like the base's columns
+            specs[f"{mod_name}.lora_A"] = mod.a_spec
     return specs
+
+
+def _column(mod: nn.Module, comm: Comm, group: Group, parts: int = 1, name: str = "tp_bwd"):
+    """The column-parallel version of a Linear, or of a LoRA layer (parallel/tensor_lora.py)."""
+    if isinstance(mod, LoRALinear):
+        return ColumnParallelLoRA(mod, comm, group, ColumnParallelLinear, shard_tensor,
+                                  parts=parts, name=name)
+    return ColumnParallelLinear(mod, comm, group, parts=parts, name=name)
+
+
+def _row(mod: nn.Module, comm: Comm, group: Group):
+    if isinstance(mod, LoRALinear):
+        return RowParallelLoRA(mod, comm, group, RowParallelLinear, shard_tensor, ShardSpec)
+    return RowParallelLinear(mod, comm, group)
 
 
 @torch.no_grad()

@@ -10,7 +10,11 @@ Two independent checks in one world of 2 (tiny GPT, ~6 KB buckets, so there are 
   bucket's staging buffer lived until step(): the whole gradient, which each test checks is
   above the bound (so the bound bites);
 * the strategies' own accounting (``transient_peaks``), which the ledger reports: the same
-  bounds, and ``backend`` (gloo's whole-size copy per collective in flight) zero on the ring.
+  bounds, and ``backend`` (gloo's whole-size copy per collective in flight) zero on the ring;
+* the ledger at the peak instant (parallel/ledger.py): saved activations, transient buffers and
+  the gradient shards sampled together, so it lies between the larger of the two transient marks
+  and the sum of every mark (they peak at different moments); every saved activation is
+  uncounted once backward freed it.
 """
 from dataclasses import replace
 
@@ -66,6 +70,7 @@ def _peaks(rank, n, runs):
         st = train(cfg, init_runtime(cfg), quiet=True)["engine"].strategy
         sizes = [c.layout.padded * c.shard.element_size() for c in st.chunks]
         out[tag] = dict(peaks=st.transient_peaks(), ledger=st.memory_ledger(), sizes=sizes,
+                        at_peak=st.memory_at_peak(), act_live_after=st._act_live,
                         shards=sum(s // n for s in sizes), live=dict(high),
                         root=bool(getattr(st, "units", None)) and st.units[0][0] is st.model)
     ZeroBase._on_grad = original
@@ -106,3 +111,18 @@ def test_zero3_holds_at_most_two_units_and_their_gradients(world2, tag):
     assert 0 < r["peaks"]["gathered"] <= two
     assert 0 < r["peaks"]["backend"] <= two
     assert r["ledger"]["comm_buffers"] == r["peaks"]["total"] <= 3 * two
+
+
+@pytest.mark.parametrize("tag", ["zero2", "zero2-nooverlap", "zero2-ring", "zero3",
+                                 "zero3-nooverlap"])
+def test_ledger_at_the_peak_instant(world2, tag):
+    r, at = world2[tag], world2[tag]["at_peak"]
+    act, comm, grads = (r["ledger"][k] for k in ("activations_peak", "comm_buffers", "gradients"))
+    sampled = at["activations_peak"] + at["comm_buffers"] + at["gradients"]
+    assert act > 0 and comm > 0
+    assert max(act, comm) <= sampled < act + comm + grads     # they peak at different moments
+    assert at["activations_peak"] <= act and at["comm_buffers"] <= comm
+    assert at["gradients"] <= grads                           # stages 2-3: shards come and go
+    persistent = ("parameters", "optimizer_states", "master_weights")
+    assert all(at[k] == r["ledger"][k] for k in persistent)
+    assert r["act_live_after"] == 0          # every holder released by backward

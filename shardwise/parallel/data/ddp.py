@@ -169,11 +169,16 @@ class DDPStrategy(Strategy):
             self._sync = True
 
     def step(self) -> None:
-        self.optimizer.step()   # its hooks reduce (unless clipping did) and restore the views
+        if self._overflowed():  # fp16 (parallel/scaling.py): skipped on every rank
+            self._after_optimizer_step()
+        else:                   # its hooks reduce (unless clipping did) and restore the views
+            self.optimizer.step()
+        self._end_step()
         self._clear()
 
     def _before_optimizer_step(self) -> None:
         """Every optimizer.step(), the user's own included: gradients reduced first."""
+        self._check_user_step()
         self._finish_grad_sync()
         if self.find_unused:    # no gradient on any rank: the optimizer must skip it
             self.buckets.detach_unused(self._used)

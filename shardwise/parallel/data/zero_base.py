@@ -91,8 +91,6 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         self.chunks: list[Chunk] = []
         self.store = OffloadStore(cfg.memory.offload, device, cfg.memory.offload_dir,
                                   tag=f"rank{mesh.rank}")
-        self.scale = 2.0 ** 16 if self.dtype == torch.float16 else 1.0
-        self._clean_steps = 0
         self._syncing = True
         self._ag_name = "zero_param_ag"
         self._init_ledger()                            # transient buffers (zero_ledger.py)
@@ -214,8 +212,17 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         return tree_map(lambda t: _cast(t, torch.float32), out) if low else out
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.scale if self.scale != 1.0 else loss).backward()
+        self.scaler.scaled(loss).backward()        # fp16: times S (memory/loss_scale.py)
         self._after_backward()
+
+    @property
+    def scale(self) -> float:
+        """fp16's loss scale S (1.0 otherwise); the shards are unscaled in _master_grad."""
+        return self.scaler.scale
+
+    def _overflowed(self) -> bool:
+        """ZeRO takes the fp16 verdict in its own step, on the gradient shards (_grads_finite)."""
+        return False
 
     def _after_backward(self) -> None:
         """Launch what the hooks left (overlap off), or finish it (inside no_sync)."""

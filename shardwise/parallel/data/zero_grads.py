@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.comm.flat import alloc_storage, free_storage, storage_bytes
+from shardwise.memory.loss_scale import has_nonfinite
 from shardwise.parallel.base import grad_sq
 
 
@@ -142,18 +143,12 @@ class ZeroGradients:
         return g
 
     def _grads_finite(self) -> bool:
-        """fp16 only: skip the step (and halve the scale) when any rank saw inf / nan."""
-        if self.scale == 1.0 and self.dtype != torch.float16:
+        """fp16 only: skip the step (and halve the scale) when any rank saw inf / nan; one
+        all-reduce over the whole world, so tensor-parallel peers agree too."""
+        if not self.scaler.enabled:
             return True
-        bad = torch.zeros(1, device=self.device)
-        for c in self.chunks:
-            bad += (~torch.isfinite(c.grad_shard)).any().float()
-        self.comm.all_reduce(bad, self.group, op="max", name="zero_overflow")
-        if bad.item() > 0:
-            self.scale /= 2
-            self._clean_steps = 0
-            return False
-        self._clean_steps += 1
-        if self._clean_steps % 1000 == 0:
-            self.scale *= 2
-        return True
+        bad = has_nonfinite([c.grad_shard for c in self.chunks], self.device)
+        self.comm.all_reduce(bad, self.mesh.world, op="max", name="zero_overflow")
+        overflow = bad.item() > 0
+        self.scaler.update(overflow)
+        return not overflow

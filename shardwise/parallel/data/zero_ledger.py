@@ -20,6 +20,7 @@ memory minus the resident memory after ``import torch`` should come within a few
 """
 from __future__ import annotations
 
+from shardwise.comm.flat import storage_bytes
 from shardwise.parallel.base import optimizer_state_bytes, tensor_bytes
 
 KINDS = ("staging", "gathered", "backend")
@@ -27,12 +28,11 @@ KINDS = ("staging", "gathered", "backend")
 
 class ZeroLedger:
     """Transient-buffer accounting and the ledger for ZeroBase (saved activations are measured
-    by base.Strategy._measure_activations, as for every stage)."""
+    by parallel/ledger.py, as for every stage; so is the instant they peak together)."""
 
     def _init_ledger(self) -> None:
         self._live = dict.fromkeys(KINDS, 0)               # transient bytes now, by kind
         self._peak = {**dict.fromkeys(KINDS, 0), "total": 0}   # their high-water marks
-        self._act_peak = 0
 
     # -- transient memory -----------------------------------------------------------------
     def _alloc(self, kind: str, nbytes: int) -> None:
@@ -40,6 +40,19 @@ class ZeroLedger:
         self._live[kind] += nbytes
         self._peak[kind] = max(self._peak[kind], self._live[kind])
         self._peak["total"] = max(self._peak["total"], sum(self._live.values()))
+        self._note_instant()                               # parallel/ledger.py
+
+    def _transient_live(self) -> int:
+        return sum(self._live.values())
+
+    def _transients_sampled(self) -> bool:
+        return True
+
+    def _grads_live(self) -> int | None:
+        """Stages 2-3: the gradient shards' bytes alive now (stage 1's are bucket views)."""
+        if self.stage < 2:
+            return None
+        return sum(storage_bytes(c.grad_shard) for c in self.chunks)
 
     def _release(self, kind: str, nbytes: int) -> None:
         self._live[kind] -= nbytes

@@ -35,7 +35,7 @@ class ZeroStateMixin:
         frozen parameters every rank holds alike."""
         return {"stage": self.stage, "rank": self.group.rank, "world": self.group.size,
                 "masters": [c.master.detach().cpu().clone() for c in self.chunks],
-                "optimizer": self.optimizer.state_dict(), "scale": self.scale,
+                "optimizer": self.optimizer.state_dict(), "scale": self.scaler.state_dict(),
                 "buffers": {n: b.detach().cpu().clone() for n, b in self.model.named_buffers()},
                 "frozen": {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()
                            if not p.requires_grad}}
@@ -55,7 +55,8 @@ class ZeroStateMixin:
                 self.store.adopt_state(self.optimizer.state.get(view, {}))
             self._after_chunk_step(self.chunks.index(c))
         self._finish_gathers()
-        self.scale = state.get("scale", self.scale)
+        if isinstance(state.get("scale"), dict):
+            self.scaler.load_state_dict(state["scale"])
         buffers = dict(self.model.named_buffers())
         for n, b in state.get("buffers", {}).items():
             buffers[n].copy_(b)
