@@ -1,0 +1,147 @@
+"""Peak memory and tokens/s of each memory technique at the 57M-parameter GPT, in one run.
+
+    python -m benchmarks.techniques                  # table on stdout, JSON + PNG to a temp dir
+    python -m benchmarks.techniques --save           # benchmarks/results/techniques-57m.{json,png}
+
+Model, world, batch and the memory measurement are benchmarks/memory.py's (8 x 768 GPT, 57.2M
+parameters, world 2, global batch 4, AdamW, malloc returning freed blocks so that peak RSS tracks
+live bytes; ``peak - baseline`` is what the training state cost). Sides, each in its own fresh
+forked gloo world: DDP fp32 (the baseline), then each technique alone on DDP (freeze the first
+half of the blocks, LoRA rank 8 on every attention and MLP linear, 8-bit AdamW, bf16 autocast,
+activation checkpointing, 2 accumulation micro-steps), ZeRO-2 alone, and ZeRO-2 + bf16 +
+activation checkpointing + 8-bit AdamW + LoRA together. Tokens/s: median step after one warm-up.
+The chart stacks each side's ledger at its peak instant (shardwise/parallel/ledger.py) by
+category, with the measured peak minus baseline beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+from benchmarks.memory import MODEL, MiB, _returning_malloc, _rss_now, ledger_total
+
+LORA = {"lora_rank": 8, "lora_targets": "*attn.qkv,*attn.proj,*mlp.fc,*mlp.proj"}
+SIDES = {
+    "ddp (baseline)": ("ddp", {}, {}),
+    "freeze blocks 0-3": ("ddp", {"freeze": "blocks.0.*,blocks.1.*,blocks.2.*,blocks.3.*"}, {}),
+    "LoRA r8": ("ddp", LORA, {}),
+    "8-bit AdamW": ("ddp", {}, {"optimizer": "adamw8bit"}),
+    "bf16": ("ddp", {"mixed_precision": "bf16"}, {}),
+    "activation checkpointing": ("ddp", {"activation_checkpointing": True}, {}),
+    "grad accumulation 2": ("ddp", {"grad_accum": 2}, {}),
+    "zero2": ("zero2", {}, {}),
+    "zero2 + bf16 + ckpt + 8-bit + LoRA": ("zero2", {**LORA, "mixed_precision": "bf16",
+                                                     "activation_checkpointing": True},
+                                           {"optimizer": "adamw8bit"}),
+}
+
+
+def side(rank: int, world: int, name: str, steps: int, batch: int) -> dict:
+    _returning_malloc()
+    import torch
+    from benchmarks.harness import gpt_bench_config, threads_for, timed_steps
+    from shardwise.data import build_data
+    threads_for(world)
+    strategy, memory, train = SIDES[name]
+    cfg = gpt_bench_config(strategy, model=MODEL, memory=memory,
+                           train={"steps": steps, "batch_size": batch, **train})
+    data = build_data(cfg)
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])   # torch._dynamo: every side pays
+    baseline = _rss_now()
+    import shardwise
+    from shardwise.api import optimizer_factory
+    from shardwise.models import build_model, loss_for
+    from shardwise.runtime import init_runtime
+    engine = shardwise.prepare(build_model(cfg.model, cfg.train.seed), optimizer_factory(cfg),
+                               cfg, loss_fn=loss_for(cfg.model), runtime=init_runtime(cfg))
+    state = {"step": 0}
+
+    def step():
+        x, y = data.batch(state["step"], batch, rank, world)
+        state["step"] += 1
+        engine.train_step(x, y)
+    seconds = timed_steps(step, max(1, steps - 1), warmup=1)
+    at_peak = engine.strategy.memory_at_peak()
+    engine.close()
+    return {"side": name, "baseline": baseline,
+            "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "ledger_at_peak": at_peak, "items_per_s": batch * cfg.model.block_size / seconds}
+
+
+def measure(steps: int, batch: int) -> dict:
+    from shardwise.testing import run_world
+    out = {}
+    for name in SIDES:
+        ranks = run_world(side, 2, name, steps, batch, timeout=1800)
+        out[name] = max(ranks, key=lambda r: r["peak"])
+        r = out[name]
+        print(f"{name:36s} peak {r['peak'] / MiB:7,.0f} MiB  {r['items_per_s']:7,.0f} tok/s",
+              flush=True)
+    return out
+
+
+def table(res: dict) -> str:
+    base = res["ddp (baseline)"]
+    lines = ["| side | peak RSS / rank (MiB) | vs DDP | peak - baseline (MiB) | ledger at peak "
+             "(MiB) | at peak / used | tokens/s | vs DDP |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in res.items():
+        used, led = r["peak"] - r["baseline"], ledger_total(r["ledger_at_peak"])
+        lines.append(f"| {name} | {r['peak'] / MiB:,.0f} | {r['peak'] / base['peak']:.2f} | "
+                     f"{used / MiB:,.0f} | {led / MiB:,.0f} | {led / used:.2f} | "
+                     f"{r['items_per_s']:,.0f} | {r['items_per_s'] / base['items_per_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def chart(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cats = ["parameters", "gradients", "optimizer_states", "master_weights", "comm_buffers",
+            "activations_peak"]
+    names = list(res)
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    bottom = [0.0] * len(names)
+    for cat in cats:
+        vals = [res[n]["ledger_at_peak"].get(cat, 0) / MiB for n in names]
+        ax.bar([i - 0.18 for i in range(len(names))], vals, 0.36, bottom=bottom, label=cat)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.bar([i + 0.18 for i in range(len(names))],
+           [(res[n]["peak"] - res[n]["baseline"]) / MiB for n in names], 0.36, color="0.35",
+           label="measured peak - baseline")
+    ax.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("MiB per rank")
+    ax.set_title("57M GPT, world 2: ledger at the peak instant (stacked) vs measured")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.techniques", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
+    ap.add_argument("--out", default="", help="folder for the results (default: a temp dir)")
+    ap.add_argument("--save", action="store_true", help="write to benchmarks/results/")
+    args = ap.parse_args(argv)
+    from benchmarks.run import machine, results_dir
+    res = measure(args.steps, args.batch)
+    print(table(res))
+    out_dir = results_dir(args)
+    chart(res, os.path.join(out_dir, "techniques-57m.png"))
+    path = os.path.join(out_dir, "techniques-57m.json")
+    with open(path, "w") as fh:
+        json.dump({"model": MODEL, "steps": args.steps, "batch": args.batch, "world": 2,
+                   "machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   "sides": res, "table": table(res)}, fh, indent=2)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
