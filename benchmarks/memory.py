@@ -252,24 +252,35 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__,
+def cli_args(prog: str, doc: str, argv: list[str] | None):
+    """The options every 57M memory benchmark takes (this one and benchmarks/techniques.py)."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
-    ap.add_argument("--out", default="", help="folder for memory-57m.json (default: a temp dir)")
+    ap.add_argument("--out", default="", help="folder for the results (default: a temp dir)")
     ap.add_argument("--save", action="store_true", help="write to benchmarks/results/")
-    args = ap.parse_args(argv)
-    from benchmarks.run import machine, results_dir
-    res = measure(args.steps, args.batch)
-    print(table(res))
-    out_dir = results_dir(args)
-    path = os.path.join(out_dir, "memory-57m.json")
+    return ap.parse_args(argv)
+
+
+def write_results(out_dir: str, name: str, args, res: dict, text: str) -> str:
+    """``<out_dir>/<name>.json``: the model, the run's settings, the machine, the sides, the table."""
+    from benchmarks.run import machine
+    path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as fh:
         json.dump({"model": MODEL, "steps": args.steps, "batch": args.batch, "world": 2,
                    "machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   "sides": res, "table": table(res)}, fh, indent=2)
+                   "sides": res, "table": text}, fh, indent=2)
     print(f"results: {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = cli_args("python -m benchmarks.memory", __doc__, argv)
+    from benchmarks.run import results_dir
+    res = measure(args.steps, args.batch)
+    print(table(res))
+    write_results(results_dir(args), "memory-57m", args, res, table(res))
     return 0
 
 

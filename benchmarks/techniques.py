@@ -15,14 +15,12 @@ category, with the measured peak minus baseline beside it.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import resource
 import sys
-import time
 
-from benchmarks.memory import MODEL, MiB, _returning_malloc, _rss_now, ledger_total
+from benchmarks.memory import (MODEL, MiB, _returning_malloc, _rss_now, cli_args, ledger_total,
+                               write_results)
 
 LORA = {"lora_rank": 8, "lora_targets": "*attn.qkv,*attn.proj,*mlp.fc,*mlp.proj"}
 SIDES = {
@@ -122,24 +120,13 @@ def chart(res: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.techniques", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
-    ap.add_argument("--out", default="", help="folder for the results (default: a temp dir)")
-    ap.add_argument("--save", action="store_true", help="write to benchmarks/results/")
-    args = ap.parse_args(argv)
-    from benchmarks.run import machine, results_dir
+    args = cli_args("python -m benchmarks.techniques", __doc__, argv)
+    from benchmarks.run import results_dir
     res = measure(args.steps, args.batch)
     print(table(res))
     out_dir = results_dir(args)
     chart(res, os.path.join(out_dir, "techniques-57m.png"))
-    path = os.path.join(out_dir, "techniques-57m.json")
-    with open(path, "w") as fh:
-        json.dump({"model": MODEL, "steps": args.steps, "batch": args.batch, "world": 2,
-                   "machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   "sides": res, "table": table(res)}, fh, indent=2)
-    print(f"results: {path}")
+    write_results(out_dir, "techniques-57m", args, res, table(res))
     return 0
 
 

@@ -21,7 +21,8 @@ held at its peak, which benchmarks/memory.py compares with the measured peak res
 Gradients that come and go within a step (ZeRO-2/3 free their shards after the step and
 allocate each at its first reduce-scatter) are sampled the same way. The persistent categories
 (parameters, DDP's and ZeRO-1's gradient buckets, optimizer states, masters) are read at the end; from the second step on they hold through every instant, and the sampled forwards
-include steps 2 and 3.
+include steps 2 and 3. The instant is tracked only while the sampled forwards and their
+backwards and steps run (the hot path pays nothing afterwards).
 """
 from __future__ import annotations
 
@@ -101,6 +102,8 @@ class ActivationLedger:
         return None
 
     def _note_instant(self) -> None:
+        if self._act_samples > ACT_SAMPLES:
+            return                        # sampling is over: later steps repeat the same shapes
         comm, grads = self._transient_live(), self._grads_live()
         total = self._act_live + comm + (grads or 0)
         if total > self._instant["total"]:

@@ -84,11 +84,7 @@ class DDPStrategy(Strategy):
     # -- backward: launch each bucket's reduction as soon as it is ready ------------------------
     def forward(self, x: torch.Tensor):
         self.begin_pass()
-        if not torch.is_grad_enabled():
-            with self.autocast():
-                return self.model(x)
-        with self.autocast(), self._measure_activations():
-            return self.model(x)
+        return super().forward(x)       # autocast; saved activations measured (ledger.py)
 
     def begin_pass(self) -> None:
         """Before a forward: re-attach dropped ``.grad`` views, count a new backward, take dp
