@@ -258,6 +258,8 @@ def cli_args(prog: str, doc: str, argv: list[str] | None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="passes over every side, alternated (A B C .. A B C); medians reported")
     ap.add_argument("--out", default="", help="folder for the results (default: a temp dir)")
     ap.add_argument("--save", action="store_true", help="write to benchmarks/results/")
     return ap.parse_args(argv)
@@ -269,6 +271,7 @@ def write_results(out_dir: str, name: str, args, res: dict, text: str) -> str:
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as fh:
         json.dump({"model": MODEL, "steps": args.steps, "batch": args.batch, "world": 2,
+                   "reps": getattr(args, "reps", 1),
                    "machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "sides": res, "table": text}, fh, indent=2)
     print(f"results: {path}")

@@ -15,9 +15,22 @@ own link and nothing else; the ps main thread takes messages from a queue with a
 Each direction has its own group so a thread's receive and the main thread's send never share one.
 
 Messages are flat fp32 tensors ``[header | payload]``:
-    push (worker -> ps j)  header = (clock, version pulled, loss)   payload = grads of j's params
-    pull (ps j -> worker)  header = (version, mean loss of the step, 0)  payload = j's params
+    push (worker -> ps j)  header = (clock, version pulled, loss, nonfinite)
+                           payload = grads of j's params (unscaled: already divided by the
+                           worker's fp16 loss scale); nonfinite = 1.0 when any of the worker's
+                           gradients, over the whole model, is inf / nan (fp16 only; else 0)
+    pull (ps j -> worker)  header = (version, mean loss of the step, skipped, 0)
+                           payload = j's params; skipped = 1.0 when the ps did not apply this
+                           worker's push (fp16 overflow: the worker halves its loss scale)
 Metered under the op names ``ps_push`` and ``ps_pull`` (exact bytes, both ends).
+
+Device of the messages (``wire_device``): gloo moves CPU tensors, NCCL only CUDA tensors, so the
+buffers live on CPU under gloo (whatever the training device; unchanged behaviour) and on the
+rank's own CUDA device under NCCL. ``pack`` / ``unpack`` copy across devices. The NCCL path has
+NOT run: it is written from the torch.distributed contract, with no GPU on the machine where it
+was built. Points to check on one: a receiver thread's ``wait()`` on NCCL orders the CUDA stream,
+not the host, so the ps's first read of a message (its header, ``int(msg[0])``) is what
+synchronises; and NCCL's ``wait(timeout)`` does not report a hung peer the way gloo's does.
 """
 from __future__ import annotations
 
@@ -30,7 +43,17 @@ import torch.distributed as dist
 
 from shardwise.comm.collectives import Comm, Group
 
-HEADER = 3
+HEADER = 4
+
+
+def wire_device(device: torch.device, backend: str) -> torch.device:
+    """Where this rank's ps messages live: its CUDA device under NCCL (which moves only CUDA
+    tensors), CPU under gloo (the CPU path is unchanged). Untested on NCCL (module docstring)."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"ps transport: the NCCL backend needs a CUDA device, got {device}")
+    return torch.device(device)
 
 
 def task_name(rank: int, num_ps: int) -> str:
@@ -76,8 +99,11 @@ class LinkLost(RuntimeError):
 class Links:
     """The (ps j, worker w) push and pull groups; every rank builds all of them, in one order."""
 
-    def __init__(self, num_ps: int, num_workers: int, rank: int, servers_group: bool = False):
+    def __init__(self, num_ps: int, num_workers: int, rank: int, servers_group: bool = False,
+                 device: torch.device = torch.device("cpu")):
         self.num_ps, self.num_workers, self.rank = num_ps, num_workers, rank
+        # messages on the backend's device (wire_device): CPU for gloo, the rank's GPU for NCCL
+        self.device = wire_device(device, dist.get_backend())
         self.push, self.pull = {}, {}
         for j in range(num_ps):
             for w in range(num_workers):
@@ -94,6 +120,10 @@ class Links:
                 self.servers = Group(pg, tuple(range(num_ps)), rank)
         elif servers_group and rank == 0:
             self.servers = Group.solo(0)
+
+    def empty(self, numel: int) -> torch.Tensor:
+        """A flat fp32 message buffer on the wire device."""
+        return torch.empty(numel, device=self.device)
 
     def peer(self, j: int, w: int) -> int:
         """Global rank at the other end of link (j, w) from this rank."""
@@ -148,7 +178,7 @@ class ServerEnd:
                  timeout: float):
         self.links, self.comm, self.j, self.timeout = links, comm, j, timeout
         self.inbox: queue.Queue = queue.Queue()
-        self.bufs = [torch.empty(msg_numel) for _ in range(links.num_workers)]
+        self.bufs = [links.empty(msg_numel) for _ in range(links.num_workers)]
         self.sends = {}
         for w in range(links.num_workers):
             threading.Thread(target=self._receive, args=(w, messages), daemon=True).start()

@@ -236,11 +236,31 @@ class Strategy(ActivationLedger, LossScaling):
             ctx = contextlib.nullcontext() if last else self.no_sync()
             with ctx:
                 loss = self.loss_fn(as_float(self.forward(xm.to(self.device))), ym.to(self.device))
+                total += loss.detach()
+                if last:   # the loss is known: average it while backward and step run
+                    mean = self.launch_mean(total / len(xs))
                 self.backward(loss / len(xs))
-            total += loss.detach()
         self._clip_if_configured()
         self.step()
-        return self.reduce_mean(total / len(xs))
+        return mean()
+
+    def launch_mean(self, value: torch.Tensor):
+        """Start averaging a per-rank scalar over the data shards (metered as 'metrics'); the
+        returned callable waits and gives the float. Launched asynchronously right after the
+        last forward, so the ranks meet in the backend's thread while backward computes instead
+        of in a blocking collective after the step (one sync point a step, not two). Every rank
+        launches it at the same point, before backward's collectives, so the order matches."""
+        index, count = self.data_shard()
+        t = value.detach().float().reshape(1).clone()
+        if count == 1:
+            return lambda: float(t)
+        work = self.comm.all_reduce(t, self.mesh.dp_group, op="avg", async_op=True,
+                                    name="metrics")
+
+        def wait() -> float:
+            work.wait()
+            return float(t)
+        return wait
 
     def reduce_mean(self, value: torch.Tensor) -> float:
         """Average a per-rank scalar over the data shards (metered as 'metrics')."""

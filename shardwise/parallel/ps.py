@@ -21,6 +21,26 @@ gradient with the global norm, its shard's squared norm summed over the ps tasks
 allreduce per step, meter ``ps_grad_norm``), which equals clipping in single-process training.
 async / ssp apply each worker's gradient on its own, with no global mean to clip: refused.
 
+fp16 mixed precision (``memory.mixed_precision = "fp16"``, dynamic loss scaling as in
+memory/loss_scale.py): workers run forward under fp16 autocast with fp32 parameters and call
+backward on loss x S; before pushing, a worker checks its gradients (its whole model) for inf /
+nan, divides them by S (so the ps tasks always see true gradients, in fp32) and sends the
+verdict in every push's header. Each rank keeps its own LossScaler (``strategy.scaler``):
+  sync   if any worker's push for step k is non-finite, every ps task skips step k's update
+         (no parameter, no optimizer state, no version moves; no clipping), answers every worker
+         with ``skipped`` and the unchanged parameters, and every rank, ps and worker, halves S:
+         the same verdict everywhere, as the all-reduced flag gives the other layouts. S doubles
+         after 1000 clean steps in a row, on every rank alike. ``scaler.report()`` is the same
+         on every rank (train.py's summary reads rank 0's, ps task 0's).
+  async  a non-finite push is dropped by every ps task (not applied, not counted as applied,
+  / ssp  counted in ``stats()["dropped"]``; its buffers are not kept); only that worker is told
+         (``skipped``) and halves its own S; the other workers' pushes go on being applied.
+         Each worker's S moves with its own verdicts (halve on a dropped push, double after 1000
+         of its own clean pushes), so workers can hold different scales. A ps task keeps a copy
+         of every worker's scaler (ps_server.WorkerScalers): its report gives the lowest worker
+         scale as ``loss_scale`` and the dropped pushes (over every worker) as ``skipped_steps``.
+The verdict is the worker's own check of its own gradients: no collective is added.
+
 Traffic per step (K = model bytes): each worker pushes its gradients (K in all, K/P to each ps)
 and pulls the parameters (K); the busiest ps task receives and sends about W*K/P each way, against
 2(N-1)/N*K per rank for a ring allreduce. Transport: point-to-point over torch.distributed
@@ -50,10 +70,12 @@ import torch.nn as nn
 
 from shardwise.comm.ps_transport import HEADER, Links, ServerEnd, WorkerEnd, pack, \
     partition_by_bytes, task_name, unpack
+from shardwise.memory.loss_scale import has_nonfinite
 from shardwise.config import ConfigError
 from shardwise.parallel.ps_checks import parse_straggler
-from shardwise.parallel.base import OptimizerFactory, Strategy, optimizer_state_bytes, tensor_bytes
-from shardwise.parallel.ps_server import ParamServer
+from shardwise.parallel.base import OptimizerFactory, Strategy, as_float, optimizer_state_bytes, \
+    tensor_bytes
+from shardwise.parallel.ps_server import ParamServer, WorkerScalers
 
 
 class ParameterServerStrategy(Strategy):
@@ -91,20 +113,24 @@ class ParameterServerStrategy(Strategy):
         self.msg_numel = [HEADER + sum(t.numel() for t in s) for s in self.shards]
         self.msg_numel[0] += sum(t.numel() for t in self.buffers)
         timeout = self.cfg.parallel.ps_timeout
-        links = Links(self.num_ps, self.num_workers, self.mesh.rank, servers_group=clip > 0)
+        links = Links(self.num_ps, self.num_workers, self.mesh.rank, servers_group=clip > 0,
+                      device=self.device)
+        self.links = links
         if self.is_ps:
             mine = self.shards[self.mesh.rank]
             self.optimizer = optimizer_factory(mine)
             end = ServerEnd(links, self.comm, self.mesh.rank, self.msg_numel[self.mesh.rank],
                             self.cfg.train.steps, timeout)
+            if self.scaler.enabled and self.cfg.parallel.ps_mode != "sync":
+                self.scaler = WorkerScalers(self.num_workers)   # one scale per worker (docstring)
             self.server = ParamServer(mine, self.optimizer, end, self.num_workers, self.cfg,
-                                      self._extras(self.mesh.rank), links.servers)
+                                      self._extras(self.mesh.rank), links.servers, self.scaler)
         else:
             self.optimizer = None
             # a worker waits longer than a ps, so the ps names a failed worker first
             self.end = WorkerEnd(links, self.comm, self.worker, 2 * timeout)
-            self.push_bufs = [torch.empty(n) for n in self.msg_numel]
-            self.pull_bufs = [torch.empty(n) for n in self.msg_numel]
+            self.push_bufs = [links.empty(n) for n in self.msg_numel]
+            self.pull_bufs = [links.empty(n) for n in self.msg_numel]
             self.versions = [0] * self.num_ps
 
     def _extras(self, j: int) -> list[torch.Tensor]:
@@ -142,28 +168,46 @@ class ParameterServerStrategy(Strategy):
         return mean if self.cfg.parallel.ps_mode == "sync" else loss
 
     def _compute(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward / backward over grad_accum micro-batches; gradients left in .grad."""
+        """Forward / backward over grad_accum micro-batches; gradients left in .grad (fp16:
+        times S, see ``_unscale``)."""
         xs, ys = x.chunk(self.grad_accum), y.chunk(self.grad_accum)
         total = 0.0
         for xm, ym in zip(xs, ys):
-            loss = self.loss_fn(self.forward(xm.to(self.device)), ym.to(self.device))
-            (loss / len(xs)).backward()
+            loss = self.loss_fn(as_float(self.forward(xm.to(self.device))), ym.to(self.device))
+            self.backward(loss / len(xs))     # fp16: backward on loss x S (base.Strategy)
             total += float(loss.detach())
         return total / len(xs)
 
     @torch.no_grad()
+    def _unscale(self) -> float:
+        """fp16: 1.0 when any of this worker's gradients is inf / nan, else 0.0; the gradients
+        are divided by S either way (an inf stays an inf). fp32 / bf16: 0.0, nothing touched."""
+        if not self.scaler.enabled:
+            return 0.0
+        grads = [t.grad for t in self.params if t.grad is not None]
+        nonfinite = float(has_nonfinite(grads, self.device).item())
+        for g in grads:
+            g.mul_(1.0 / self.scaler.scale)   # S is a power of two: exact
+        return nonfinite
+
+    @torch.no_grad()
     def _push_pull(self, loss: float) -> float:
-        """Push each ps its gradients, then take its parameters back; the ps 0 header's loss."""
+        """Push each ps its gradients, then take its parameters back; the ps 0 header's loss.
+        fp16: the pushes carry this worker's verdict, the answers whether the ps skipped."""
         clock = self.steps_done
+        nonfinite = self._unscale()
         for j, shard in enumerate(self.shards):
             self.end.wait_pushed(j)
             grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in shard]
-            self.end.push(j, pack((clock, self.versions[j], loss), grads + self._extras(j),
-                                  self.push_bufs[j]))
+            self.end.push(j, pack((clock, self.versions[j], loss, nonfinite),
+                                  grads + self._extras(j), self.push_bufs[j]))
+        skipped = False
         for j, shard in enumerate(self.shards):
             self.end.pull(j, self.pull_bufs[j])
             self.versions[j] = int(self.pull_bufs[j][0])
+            skipped |= bool(self.pull_bufs[j][2] != 0)   # every ps gives the same verdict
             unpack(self.pull_bufs[j], shard + self._extras(j))
+        self.scaler.update(skipped)                     # no-op unless fp16
         for t in self.params:
             t.grad = None
         return float(self.pull_bufs[0][1])
@@ -176,9 +220,9 @@ class ParameterServerStrategy(Strategy):
     def gather_params(self) -> None:
         """Every rank's model takes the ps tasks' current parameters (one broadcast per ps)."""
         for j, shard in enumerate(self.shards):
-            flat = torch.empty(self.msg_numel[j])
+            flat = self.links.empty(self.msg_numel[j])   # on the backend's device
             if self.mesh.rank == j:
-                pack((0.0, 0.0, 0.0), shard + self._extras(j), flat)
+                pack((0.0,) * HEADER, shard + self._extras(j), flat)
             self.comm.broadcast(flat, j, self.mesh.world, name="ps_gather")
             unpack(flat, shard + self._extras(j))
 
@@ -186,7 +230,7 @@ class ParameterServerStrategy(Strategy):
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float | None]:
         """Mean loss (and accuracy) of the current ps parameters over the workers' rows."""
         self.gather_params()
-        sums = torch.zeros(3)  # (loss, accuracy, workers) summed over the world
+        sums = torch.zeros(3, device=self.links.device)  # (loss, accuracy, workers) over the world
         acc = False
         if not self.is_ps:
             self.model.eval()
@@ -194,10 +238,10 @@ class ParameterServerStrategy(Strategy):
             self.model.train()
             y = y.to(self.device)
             acc = torch.is_tensor(out) and out.dim() == 2
-            sums[0] = self.loss_fn(out, y)
+            sums[0] = self.loss_fn(as_float(out), y)
             sums[1] = (out.argmax(-1) == y).float().mean() if acc else 0.0
             sums[2] = 1.0
-        flag = torch.tensor([float(acc)])
+        flag = torch.tensor([float(acc)], device=self.links.device)
         self.comm.all_reduce(sums, self.mesh.world, name="metrics")
         self.comm.all_reduce(flag, self.mesh.world, op="max", name="metrics")
         return float(sums[0] / sums[2]), (float(sums[1] / sums[2]) if float(flag) else None)

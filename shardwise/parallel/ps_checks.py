@@ -31,7 +31,7 @@ def parse_straggler(spec: str, num_workers: int) -> dict[int, float]:
 
 def check(cfg: Config, world_size: int) -> None:
     """num_ps + num_workers = the world, a batch that splits over the workers, a positive
-    timeout, a readable straggler spec."""
+    timeout, a readable straggler spec. (fp16 is accepted: ps.py scales the loss.)"""
     p = cfg.parallel
     if p.strategy != "ps":
         return
@@ -40,10 +40,6 @@ def check(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.num_workers", p.num_workers,
                           f"num_ps={p.num_ps} + num_workers={workers} != world size {world_size}",
                           "set --nproc-per-node to num_ps + num_workers")
-    if cfg.memory.mixed_precision == "fp16":
-        raise ConfigError("memory.mixed_precision", "fp16", "the parameter server has no fp16 "
-                          "loss scaling yet (workers would push unscaled fp16-underflowing "
-                          "gradients)", "use --mixed-precision bf16 (no scaling needed) or no")
     if cfg.train.batch_size % workers:
         raise ConfigError("train.batch_size", cfg.train.batch_size,
                           f"not divisible by num_workers={workers}", "use a multiple of it")

@@ -23,6 +23,19 @@ gradients; the lowest live worker's are kept and every answer carries them after
 Clipping (sync, ``train.grad_clip``): the averaged gradient is scaled by torch's coefficient
 min(1, max_norm / (norm + 1e-6)), the norm summed over the ps tasks' shards (``servers`` group).
 
+fp16 (``memory.mixed_precision = "fp16"``, dynamic loss scaling; ps.py's docstring has the whole
+picture): each push says whether the worker's gradients, over its whole model, hold an inf / nan
+(header ``nonfinite``; every ps task of that push gets the same verdict, so none applies a part
+of a bad gradient).
+sync  any non-finite push among the step's skips the whole update on every ps task: no optimizer
+      step, no clip, no version, no record; every worker is answered with ``skipped`` = 1 and
+      the unchanged parameters. Every ps task and worker then moves its own LossScaler with the
+      same verdict (halve on a skip, double after growth_interval clean steps), so all agree.
+async the non-finite push is dropped (not applied, not recorded, counted in ``dropped``) and its
+/ssp  worker alone is answered with ``skipped`` = 1 (it halves its scale); the other workers'
+      pushes are applied as usual. The ps keeps a copy of each worker's scaler, moved by that
+      worker's verdicts (``WorkerScalers``), to report the scales and the dropped pushes.
+
 ``serve(k)`` returns once every live worker's push for step k has been applied and answered, so
 the training loop's collectives (evaluation, logging) meet every rank at the same step.
 Failures: a worker that sends nothing for ``ps_timeout`` seconds, or whose link breaks, is named
@@ -38,14 +51,49 @@ import sys
 import torch
 
 from shardwise.comm.ps_transport import HEADER, ServerEnd, pack, task_name, unpack
+from shardwise.memory.loss_scale import LossScaler
+
+
+class WorkerScalers:
+    """async / ssp on a ps task: a copy of every worker's fp16 loss scaler, moved by the verdict
+    on each of its pushes exactly as the worker moves its own (LossScaler.update is a function of
+    the verdicts alone), so the ps can report them. ``report`` has the shape every strategy's
+    scaler reports (train.py's summary): the lowest worker scale, and the dropped pushes."""
+
+    enabled = True
+
+    def __init__(self, num_workers: int):
+        self.workers = [LossScaler(True) for _ in range(num_workers)]
+
+    def update_worker(self, w: int, overflow: bool) -> None:
+        self.workers[w].update(overflow)
+
+    @property
+    def scale(self) -> float:
+        return min(s.scale for s in self.workers)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Dropped pushes, over every worker (async has no world-wide step to skip)."""
+        return sum(s.skipped_steps for s in self.workers)
+
+    def report(self) -> dict:
+        return {"loss_scale": self.scale, "skipped_steps": self.skipped_steps,
+                "loss_scale_per_worker": [s.scale for s in self.workers]}
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "skipped_steps": self.skipped_steps,
+                "workers": [s.state_dict() for s in self.workers]}
 
 
 class ParamServer:
     """Parameters, optimizer and update bookkeeping of one ps task."""
 
     def __init__(self, params: list, optimizer, end: ServerEnd, num_workers: int, cfg,
-                 extras: list | None = None, servers=None):
+                 extras: list | None = None, servers=None, scaler=None):
         p = cfg.parallel
+        # fp16: sync moves one LossScaler per step, async / ssp a WorkerScalers per push
+        self.scaler = scaler if cfg.memory.mixed_precision == "fp16" else None
         self.params, self.optimizer, self.end = params, optimizer, end
         self.extras, self.servers = extras or [], servers
         self.clip = cfg.train.grad_clip
@@ -55,14 +103,16 @@ class ParamServer:
         self.version, self.clocks = 0, [0] * num_workers
         self.live, self.failed = set(range(num_workers)), {}
         self.applied = [0] * num_workers        # gradients applied, per worker
+        self.dropped = [0] * num_workers        # fp16: pushes received and not applied
+        self.skip_flags = [0.0] * num_workers   # the ``skipped`` of each worker's next answer
         self.records: list[dict] = []           # one per applied gradient
         self.releases: list[dict] = []          # one per answer sent (ssp bound evidence)
         self.losses: dict[int, list[float]] = {}  # clock -> losses the workers sent with it
         self.deferred: set[int] = set()
         numel = self.numel = sum(t.numel() for t in params)
         extra = sum(t.numel() for t in self.extras)
-        self.reply_bufs = [torch.empty(HEADER + numel + extra) for _ in range(num_workers)]
-        self.grad_sum = torch.zeros(numel)
+        self.reply_bufs = [end.links.empty(HEADER + numel + extra) for _ in range(num_workers)]
+        self.grad_sum = torch.zeros(numel, device=end.links.device)
         for t in params:
             t.grad = torch.zeros_like(t)
 
@@ -86,19 +136,29 @@ class ParamServer:
         while self.live - set(arrived):
             self._take_one(target, lambda w, msg: arrived.__setitem__(w, msg))
         ws = sorted(w for w in arrived if w in self.live)
+        self._keep_extras(ws[0], arrived[ws[0]])
+        losses = [float(arrived[w][2]) for w in ws]
+        loss = _mean(losses)
+        skip = any(_nonfinite(arrived[w]) for w in ws)   # the same verdict on every ps task
+        if self.scaler is not None:
+            self.scaler.update(skip)
+        if skip:  # fp16 overflow on some worker: no update anywhere (module docstring)
+            for w in ws:
+                self.dropped[w] += 1
+                self.skip_flags[w] = 1.0
+                self._answer(w, loss)
+            return loss
         self.grad_sum.zero_()
         for w in ws:  # fixed order: the sum is the same whatever order the pushes came in
             self.grad_sum += self._grad_of(arrived[w])
         self.grad_sum /= len(ws)
-        self._keep_extras(ws[0], arrived[ws[0]])
         if self.clip > 0:
             self._clip(self.grad_sum)
-        losses = [float(arrived[w][2]) for w in ws]
         for w in ws:
             self._record(w, int(arrived[w][0]), int(arrived[w][1]))
         self._step(self.grad_sum)
-        loss = _mean(losses)
         for w in ws:
+            self.skip_flags[w] = 0.0
             self._answer(w, loss)
         return loss
 
@@ -120,10 +180,17 @@ class ParamServer:
     def _apply_async(self, w: int, msg: torch.Tensor) -> None:
         clock, pulled, loss = int(msg[0]), int(msg[1]), float(msg[2])
         self.losses.setdefault(clock, []).append(loss)
-        self._record(w, clock, pulled)
-        self._keep_extras(w, msg)
-        self.grad_sum.copy_(self._grad_of(msg)).div_(self.num_workers)
-        self._step(self.grad_sum)
+        bad = _nonfinite(msg)
+        if self.scaler is not None:
+            self.scaler.update_worker(w, bad)
+        self.skip_flags[w] = float(bad)
+        if bad:  # fp16 overflow: drop the whole push (gradients and buffers); w halves its scale
+            self.dropped[w] += 1
+        else:
+            self._record(w, clock, pulled)
+            self._keep_extras(w, msg)
+            self.grad_sum.copy_(self._grad_of(msg)).div_(self.num_workers)
+            self._step(self.grad_sum)
         self.deferred.add(w)
         self._release()
 
@@ -140,7 +207,8 @@ class ParamServer:
 
     def _answer(self, w: int, loss: float) -> None:
         self.end.wait_sent(w)  # the reply buffer is free again
-        buf = pack((self.version, loss, 0.0), self.params + self.extras, self.reply_bufs[w])
+        buf = pack((self.version, loss, self.skip_flags[w], 0.0), self.params + self.extras,
+                   self.reply_bufs[w])
         self.end.reply(w, buf)
         self.releases.append({"worker": w, "clock": self.clocks[w], "min_clock": self._min_clock(),
                               "version": self.version})
@@ -196,10 +264,16 @@ class ParamServer:
     def stats(self) -> dict:
         """What happened on this ps task: per-gradient records, answers, counts, failures."""
         return {"task": task_name(self.end.j, self.num_ps), "version": self.version,
-                "applied": list(self.applied), "clocks": list(self.clocks),
+                "applied": list(self.applied), "dropped": list(self.dropped),
+                "clocks": list(self.clocks),
                 "records": list(self.records), "releases": list(self.releases),
                 "failed": {task_name(self.num_ps + w, self.num_ps): why
                            for w, why in self.failed.items()}}
+
+
+def _nonfinite(msg: torch.Tensor) -> bool:
+    """The push header's verdict: the worker saw an inf / nan in its gradients (fp16)."""
+    return bool(msg[3] != 0)
 
 
 def _mean(values: list[float]) -> float:

@@ -59,7 +59,6 @@ def test_no_technique_reports_no_rows():
     (["--lora-rank", "4"], "memory.lora_targets"),                  # no layers named
     (["--lora-rank", "4", "--lora-targets", "*ln_1"], "memory.lora_targets"),   # a LayerNorm
     (["--lora-rank", "4", "--lora-targets", "*qkv", "--lora-alpha", "0"], "memory.lora_alpha"),
-    (["--strategy", "ps", "--mixed-precision", "fp16"], "memory.mixed_precision"),
 ])
 def test_bad_technique_settings_are_refused_before_launch(argv, field):
     from shardwise.cli import check_train
