@@ -20,6 +20,8 @@ commands:
   plan    rank parallel layouts for a model on a cluster with the cost model
   bench   run benchmark rows against their PyTorch peers (from a source checkout;
           see benchmarks/README.md)
+  checkpoint inspect D | export D --out model.safetensors
+          what a saved checkpoint holds; the plain model's weights as safetensors
 
 options:
   --version   print shardwise's version and exit
@@ -136,12 +138,14 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     (config, parsed flags, world size); raises ConfigError (or SystemExit(2) for a bad flag)."""
     from shardwise import launch
     from shardwise.layout import check_model_names
+    from shardwise.checkpoint.checks import check as check_checkpoint
     from shardwise.validate import check_ignored, validate
     cfg, args = parse_config(argv)
     world = launch.world_size(cfg)
     validate(cfg, world)
     check_ignored(cfg)
     check_model_names(cfg)          # --freeze / --lora-targets against the model's names
+    check_checkpoint(cfg, world)    # --checkpoint-dir / --resume (shardwise/checkpoint/checks.py)
     _check_data_files(cfg)
     _check_extras(cfg)
     return cfg, args, world
@@ -349,7 +353,43 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "bench": cmd_bench}
+def checkpoint_parser() -> argparse.ArgumentParser:
+    ap = _OneLineParser(prog="shardwise checkpoint", description=(
+        "Read a checkpoint that 'shardwise train --checkpoint-dir D' saved (D, or one of its "
+        "step-N folders), in this process alone."))
+    sub = ap.add_subparsers(dest="action", required=True, parser_class=_OneLineParser)
+    ins = sub.add_parser("inspect", help="layout, step, world size, sizes and config")
+    ins.add_argument("path", help="a --checkpoint-dir or a step-N folder in it")
+    ins.add_argument("--json", action="store_true", help="print the details as JSON")
+    exp = sub.add_parser("export", help="the plain model's state dict as a safetensors file")
+    exp.add_argument("path", help="a --checkpoint-dir or a step-N folder in it")
+    exp.add_argument("--out", required=True, help="the .safetensors file to write")
+    return ap
+
+
+def cmd_checkpoint(argv: list[str]) -> int:
+    import json
+    import warnings
+    args = checkpoint_parser().parse_args(argv)
+    from shardwise.checkpoint import tools
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # DCP's "no process group" notice: one process here
+            if args.action == "inspect":
+                info = tools.inspect(args.path)
+                print(json.dumps(info, indent=2) if args.json else tools.describe(info))
+            else:
+                shapes = tools.export(args.path, args.out)
+                print(f"wrote {len(shapes)} tensors to {args.out}")
+    except ConfigError as exc:
+        return error(str(exc))
+    except (OSError, KeyError, ValueError) as exc:
+        return error(f"checkpoint {args.path!r} cannot be read ({exc}); fix: give a folder a "
+                     "run saved into, or check the file")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "bench": cmd_bench, "checkpoint": cmd_checkpoint}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,7 +69,11 @@ class ParallelConfig:
     grad_compression: str = _f("none", "cast gradients for the allreduce", ("none", "bf16", "fp16"))
     replicas: int = _f(2, "single-process DP (strategy dp): number of model replicas")
     num_microbatches: int = _f(4, "pipeline: micro-batches per step")
-    schedule: str = _f("1f1b", "pipeline schedule", ("gpipe", "1f1b"))
+    schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b (virtual "
+                       "stages, Megatron) or zb-h1 (zero-bubble: backward split into input and "
+                       "weight gradients)", ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"))
+    virtual_stages: int = _f(1, "interleaved-1f1b: model chunks per pipeline rank (>= 2; the "
+                             "model is cut into pp x virtual_stages stages)")
     stage_layers: str = _f("", "pipeline: blocks per stage, e.g. '1,3'; empty = balanced")
     zero_stage: int = _f(-1, "data-parallel stage over the dp axis: 0 replicate (DDP), 1 shard "
                          "optimizer states (ZeRO-1), 2 + gradients, 3 + parameters; combines with"
@@ -129,6 +133,15 @@ class TrainConfig:
     collective_timeout: float = _f(300.0, "seconds a collective waits for the other ranks before "
                                    "the run stops with an error naming the rank, operation and "
                                    "step (a stalled or dead rank); gloo's own default is 30 min")
+    checkpoint_dir: str = _f("", "save checkpoints into this folder (torch.distributed.checkpoint:"
+                             " step-N/ sub-folders and a 'latest' pointer); also saved at the end"
+                             " and when the run is stopped (SIGINT / SIGTERM); empty = no saving")
+    checkpoint_every: int = _f(0, "save a checkpoint every N steps (needs --checkpoint-dir); "
+                               "0 = only at the end and on a stop")
+    keep_checkpoints: int = _f(3, "keep the newest K checkpoints in --checkpoint-dir",
+                               flag="keep")
+    resume: bool = _f(False, "continue from the checkpoint --checkpoint-dir's 'latest' names "
+                      "(the same layout: bit-identical; another layout or world: resharded)")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,10 @@ Per step: learning rate from the schedule -> this process's shard of the global 
 Rank 0 shows a progress bar (or a log line every ``log_every`` steps when stdout is not a
 terminal), writes ``metrics.jsonl`` (the mean over each logging window; shardwise/runlog.py) and
 ``summary.json``, and prints the summary table. SIGINT / SIGTERM stop the loop cleanly
-(shardwise/stopping.py). A loss that turns nan or infinite stops the loop at that step with
+(shardwise/stopping.py). With ``train.checkpoint_dir`` set, the loop saves a checkpoint every
+``checkpoint_every`` steps, at the end and when stopped (the stop is taken at the next step
+boundary, after the save: checkpoint/stop.py), and ``train.resume`` continues from the latest
+one: exactly in the same layout, resharded in another (shardwise/checkpoint/). A loss that turns nan or infinite stops the loop at that step with
 :class:`NonFiniteLoss` (the CLI prints its one line and exits 1; the metrics so far are kept):
 the check reads the float ``train_step`` already returns every step (averaged over the data
 shards, so every rank sees the same value and all stop together), so it adds no device sync.
@@ -23,7 +26,12 @@ import time
 
 import torch
 
+from dataclasses import replace
+
+from shardwise import checkpoint
 from shardwise.api import Engine, optimizer_factory, prepare
+from shardwise.checkpoint.checks import check as check_checkpoint
+from shardwise.checkpoint.stop import DeferredStop
 from shardwise.comm.collectives import CollectiveError
 from shardwise.config import Config, to_dict
 from shardwise.data import build_data
@@ -77,10 +85,16 @@ def evaluate(engine: Engine, data, cfg: Config) -> tuple[float, float | None]:
 def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -> dict:
     """Train ``cfg`` in the current world and return the summary (also written to summary.json)."""
     rt = runtime or init_runtime(cfg)
+    check_checkpoint(cfg, rt.world_size)
+    plan = checkpoint.plan_resume(cfg, rt.world_size)
     data = build_data(cfg)
     model = build_model(cfg.model, cfg.train.seed)
+    checkpoint.restore_model(model, plan)            # a reshard: into the plain model
     flops_per_item = model.flops_per_token() if hasattr(model, "flops_per_token") else None
-    engine = prepare(model, optimizer_factory(cfg), cfg, loss_fn=loss_for(cfg.model), runtime=rt)
+    # the strategy is built for the steps this run still takes (the ps counts its messages)
+    left = replace(cfg, train=replace(cfg.train, steps=cfg.train.steps - plan.step)) if plan else cfg
+    engine = prepare(model, optimizer_factory(cfg), left, loss_fn=loss_for(cfg.model), runtime=rt)
+    start = checkpoint.restore(engine, plan)         # last: it also sets the RNG states
     index, count = engine.strategy.data_shard()
     items = cfg.train.batch_size * (cfg.model.block_size if data.kind == "tokens" else 1)
     out = run_dir(cfg)
@@ -89,10 +103,12 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     log = RunLog(out, cfg.logging, cfg.train.steps, unit, main, quiet)
     peak = device_peak_flops(rt.device)
     losses, step_times, val, train_sent = [], [], (None, None), 0
-    window, done = Window(), 0
-    start = time.perf_counter()
+    window, done, saved = Window(), start, start
+    stop = DeferredStop(enabled=bool(cfg.train.checkpoint_dir))
+    began = time.perf_counter()
     try:
-        for step in range(cfg.train.steps):
+        stop.__enter__()
+        for step in range(start, cfg.train.steps):
             lr = lr_at(step, cfg)
             engine.strategy.set_lr(lr)
             x, y = data.batch(step, cfg.train.batch_size, index, count)
@@ -118,6 +134,7 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
                                   val if evaluated else None, rt))
                 window.reset()
             log.progress(loss, val[0])
+            saved = _checkpoint(engine, cfg, done, last, saved, stop)
     except Stopped as exc:
         if main:
             stopping.write_marker(out, done, exc.signum)
@@ -126,9 +143,13 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
         exc.step = done + 1           # the step this rank was in when its peers went missing
         raise
     finally:
+        stop.__exit__()
         log.close()
     summary = _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak,
-                       time.perf_counter() - start, train_sent)
+                       time.perf_counter() - began, train_sent)
+    summary["start_step"] = start
+    summary["checkpoint"] = checkpoint.store.latest(cfg.train.checkpoint_dir) \
+        if cfg.train.checkpoint_dir else None
     if cfg.memory.memory_report:      # every rank: the counterfactual forwards may communicate
         summary["memory_report"] = memreport.report(cfg, engine.strategy, x,
                                                     lambda v: _per_rank(rt, v))
@@ -143,6 +164,24 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
             print(f"metrics: {os.path.join(out, 'metrics.jsonl')}  summary: {os.path.join(out, 'summary.json')}")
     summary["engine"] = engine
     return summary
+
+
+def _checkpoint(engine: Engine, cfg: Config, done: int, last: bool, saved: int,
+                stop: DeferredStop) -> int:
+    """After step ``done``: save when it is due (every ``checkpoint_every``, the last step) or
+    when any rank was asked to stop (then stop: raises Stopped). Returns the last saved step."""
+    if not cfg.train.checkpoint_dir:
+        return saved
+    every = cfg.train.checkpoint_every
+    if last or (every and done % every == 0):
+        checkpoint.save(engine, cfg, done)
+        saved = done
+    signum = stop.agreed(engine.runtime.comm, engine.runtime.mesh.world)
+    if signum:
+        if saved != done:
+            checkpoint.save(engine, cfg, done)
+        stop.stop(signum)
+    return saved
 
 
 def _per_rank(rt: Runtime, value) -> list:

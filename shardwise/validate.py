@@ -20,6 +20,7 @@ from shardwise.config import (Config, ConfigError, MemoryConfig, ModelConfig, Pa
                               section_fields)
 
 from shardwise.presets import SINGLE_PROCESS, resolve_dp  # noqa: F401 (re-exported)
+from shardwise.parallel.pipeline import checks as pipeline_checks
 
 
 def _choices(cfg: Config) -> None:
@@ -77,7 +78,8 @@ def check_ignored(cfg: Config) -> None:
         if not used and value != getattr(defaults[sec], name):
             raise ConfigError(f"{sec}.{name}", value, f"the layout ({layout.describe(cfg)}) "
                               "does not use it", f"drop --{name.replace('_', '-')}, or use "
-                              + layout.WHERE_READ.get(name, "--strategy ps"))
+                              + {**layout.WHERE_READ, **pipeline_checks.WHERE_READ}.get(
+                                  name, "--strategy ps"))
 
 
 def _positive(cfg: Config) -> None:

@@ -301,6 +301,52 @@ class Strategy(ActivationLedger, LossScaling):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
+    # -- the layout-free optimizer state (shardwise/checkpoint/: reshard) --------------------
+    def canonical_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's per-parameter state by the parameter's original name, on CPU, whole:
+        element-wise states (Adam's exp_avg / exp_avg_sq, SGD's momentum_buffer) shaped like
+        the full parameter (tensor-parallel pieces gathered: a collective over tp, in
+        named_parameters order on every tp rank), scalars (Adam's step) as they are. Any
+        layout's :meth:`load_canonical_optimizer_state` takes it. Memory: a CPU copy of the
+        whole optimizer state (one gathered parameter at a time on the device)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in self.model.named_parameters():
+            state = self.optimizer.state.get(p, {})
+            entry = {}
+            for key, v in sorted(state.items()):
+                if not torch.is_tensor(v):
+                    continue
+                if v.dim() > 0 and self.plan is not None and name in self.plan.specs:
+                    v = self.plan.gather({name: v}, self.device)[name]
+                entry[key] = v.detach().cpu().clone()
+            if entry:
+                out[name] = entry
+        return out
+
+    @torch.no_grad()
+    def load_canonical_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Set the optimizer's per-parameter state from :meth:`canonical_optimizer_state`'s
+        form (whole tensors by original name; this rank keeps its tensor-parallel piece)."""
+        for name, p in self.model.named_parameters():
+            if name not in state:
+                continue
+            entry = {}
+            for key, v in state[name].items():
+                v = self._tp_piece(name, v)
+                if v.dim() > 0:
+                    v = v.to(p.device, p.dtype if v.is_floating_point() else v.dtype)
+                entry[key] = v.clone()
+            self.optimizer.state[p] = entry
+
+    def _tp_piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor-parallel piece of a whole per-parameter tensor (itself when the
+        parameter is not split, or for a scalar)."""
+        if whole.dim() == 0 or self.plan is None or name not in self.plan.specs:
+            return whole
+        from shardwise.parallel.tensor import shard_tensor
+        g = self.plan.group
+        return shard_tensor(whole, self.plan.specs[name], g.rank, g.size)
+
     def close(self) -> None:
         """Release threads, files and buffers the strategy holds (the model stays usable)."""
 

@@ -41,15 +41,15 @@ import time
 import torch
 import torch.nn as nn
 
-from shardwise.comm import p2p
 from shardwise.comm.reducer import Reducer
 from shardwise.presets import zero_stage
 from shardwise.parallel.base import Strategy
 from shardwise.parallel.hybrid_zero1 import PipelineZero1
 from shardwise.parallel.pipeline import schedule as sched
 from shardwise.parallel.pipeline import timeline
-from shardwise.parallel.pipeline.executor import PipelineExecutor
-from shardwise.parallel.pipeline.stage import PipelineStage, stage_bounds
+from shardwise.parallel.pipeline.checks import virtual_stages
+from shardwise.parallel.pipeline.executor import PipelineExecutor, evaluate_stages
+from shardwise.parallel.pipeline.stage import stage_bounds, stage_of
 from shardwise.parallel.data.ddp import DDPStrategy
 from shardwise.parallel.tensor import TensorPlan, gather_tp, split_from_rank0
 
@@ -63,14 +63,16 @@ class HybridStrategy(PipelineZero1, Strategy):
             raise ValueError("HybridStrategy is the pipeline layout (pp > 1); without a pipeline "
                              "shardwise/parallel/compose.py composes tp with the data-parallel "
                              "component")
-        bounds = stage_bounds(model, mesh.pp, p.stage_layers)
+        self.v = virtual_stages(self.cfg)     # model chunks per rank (interleaved-1f1b)
+        bounds = stage_bounds(model, mesh.pp * self.v, p.stage_layers)
         self.n_embd = model.cfg.n_embd
         # 0-1. rank 0's whole model everywhere, then tensor parallel (tp_specs: how to gather)
         model, self.tp_specs, self.loss_fn = split_from_rank0(model, mesh, self.comm,
                                                               self.device, self.loss_fn)
-        # 2. pipeline split: keep this stage's layers only
-        model = PipelineStage(model, bounds, mesh.pp_rank)
-        self.actions = sched.build(p.schedule, mesh.pp, p.num_microbatches)[mesh.pp_rank]
+        # 2. pipeline split: keep this stage's layers only (its v chunks when interleaved)
+        model = stage_of(model, bounds, mesh.pp_rank, mesh.pp)
+        self.actions = sched.build(p.schedule, mesh.pp, p.num_microbatches,
+                                   self.v)[mesh.pp_rank]
         self.executor = PipelineExecutor(model, self.comm, mesh.pp_group, self.loss_fn,
                                          self.device, autocast=self.autocast)
         self.model = model.to(self.device)
@@ -173,18 +175,13 @@ class HybridStrategy(PipelineZero1, Strategy):
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor):
-        mesh, g = self.mesh, self.mesh.pp_group
+        mesh = self.mesh
         self.model.eval()
-        h = x.to(self.device)
-        if not mesh.is_first_stage:
-            h = p2p.recv(self.comm, g, (*x.shape, self.n_embd), mesh.prev_stage,
-                         device=self.device, name="pp_eval")
-        out = self.model(h)
+        out = evaluate_stages(self.executor, x.to(self.device), (*x.shape, self.n_embd))
         self.model.train()
         if mesh.is_last_stage:
             loss = self.loss_fn(out, y.to(self.device))
         else:
-            p2p.send(self.comm, g, out, mesh.next_stage, name="pp_eval")
             loss = torch.zeros((), device=self.device)
         return self.reduce_mean(self._from_last_stage(loss)), None
 
@@ -194,7 +191,7 @@ class HybridStrategy(PipelineZero1, Strategy):
         in-flight micro-batches; draws the PNG and prints on global rank 0 when asked."""
         records = self.comm.all_gather_object(self.last_records, self.mesh.pp_group)
         p = self.cfg.parallel
-        self.report = timeline.summary(records, p.schedule, p.num_microbatches)
+        self.report = timeline.summary(records, p.schedule, p.num_microbatches, self.v)
         if self.mesh.rank == 0 and png:
             timeline.draw(records, png, timeline.describe(self.report))
             self.report["png"] = png

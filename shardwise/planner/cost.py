@@ -8,7 +8,8 @@ A step is ``m`` micro-batches per replica. Each micro-batch costs one slot on ev
 Compute is the busiest stage's share of ``6 P + 12 L s h`` FLOPs per token (block terms
 x 4/3 with recomputation; ``ModelSpec.flops_per_token``) at ``peak x efficiency``, plus a fixed
 ``block_overhead`` per block and micro-batch (kernel launches). The
-pipeline bubble is ``(pp - 1) / (m + pp - 1)`` of the pipeline time (GPipe and 1F1B alike).
+pipeline bubble is ``(pp - 1) / (m + pp - 1)`` of the pipeline time (GPipe and 1F1B alike;
+interleaved 1F1B and ZB-H1 idle (pp-1)/v and (pp-1)/3 slots instead: ``layout.bubble_slots``).
 
 What overlaps with what (the only judgement calls): DDP's allreduce and ZeRO-1's
 reduce-scatter run during the last micro-batch's backward; ZeRO-2's reduce-scatter during each
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from shardwise.planner import comm
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Hardware
-from shardwise.planner.layout import Batch, Layout
+from shardwise.planner.layout import Batch, Layout, bubble_slots
 from shardwise.planner.memory import layers_on_stage, memory, stage_params, state_bytes
 from shardwise.planner.model import ModelSpec
 from shardwise.planner.units import fmt_bytes
@@ -64,7 +65,8 @@ class Estimate:
     comm: dict[str, float]
     """``comm_s`` by kind: tp, p2p, dp, ps."""
     bubble: float
-    """Pipeline bubble, the idle fraction of the pipeline time: (pp-1)/(m+pp-1)."""
+    """Pipeline bubble, the idle fraction of the pipeline time: (pp-1)/(m+pp-1) (GPipe, 1F1B;
+    layout.bubble_slots for the others)."""
     bubble_s: float
     """Idle seconds per step in the pipeline."""
     optimizer_s: float
@@ -158,7 +160,8 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
     bwd = t_mb - fwd
     dp = comm.dp_traffic(layout, p_dev, hw, batch)
     tp = comm.tp_time(layout, model, hw, batch, layers_on_stage(model, layout.pp, 0))
-    p2p = comm.p2p_stage_time(layout, model, hw, batch)
+    # interleaved: a micro-batch crosses v times as many stage boundaries per rank
+    p2p = comm.p2p_stage_time(layout, model, hw, batch) * layout.virtual_stages
     # what compute can hide: all of it on accelerators, none where collectives need the cores
     hide_fwd, hide_bwd = fwd * hw.comm_overlap, bwd * hw.comm_overlap
     per_mb = _exposed_per_microbatch(dp, hide_fwd, hide_bwd)
@@ -167,8 +170,9 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
                             max(0.0, dp.last_backward - hide_bwd))
     optimizer_s, offload_s = _optimizer_and_offload(layout, model, hw, batch, p_dev, m)
     ps = comm.ps_time(layout, model, hw, batch)
-    bubble_s = (layout.pp - 1) * slot
-    step = (m + layout.pp - 1) * slot + once + optimizer_s + offload_s + ps
+    idle = bubble_slots(layout.schedule, layout.pp, layout.virtual_stages)
+    bubble_s = idle * slot
+    step = (m + idle) * slot + once + optimizer_s + offload_s + ps
     traffic = {"tp": m * tp, "p2p": m * p2p, "ps": ps,
                "dp": m * (dp.per_microbatch_rs + dp.per_microbatch_ag) + dp.last_backward
                + dp.after_step}
@@ -179,7 +183,7 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
         host_per_node=mem.host_per_node, disk_per_node=mem.disk_per_node, fits=not why,
         why_not=why, microbatches=m, compute_s=m * t_mb, comm_s=sum(traffic.values()),
         comm_exposed_s=m * (tp + p2p + per_mb) + once + ps, comm=traffic,
-        bubble=(layout.pp - 1) / (m + layout.pp - 1), bubble_s=bubble_s,
+        bubble=idle / (m + idle), bubble_s=bubble_s,
         optimizer_s=optimizer_s, offload_s=offload_s, step_s=step, tokens_per_step=tokens,
         mfu=model.flops_per_token() * tokens / (step * layout.world * hw.peak(batch.precision)))
 

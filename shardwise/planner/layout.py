@@ -13,6 +13,23 @@ from shardwise.planner.errors import PlanError
 
 KINDS = ("single", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d", "ps")
 """Layout kinds, named as ``shardwise train --strategy`` names them."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+"""Pipeline schedules, named as ``shardwise train --schedule`` names them."""
+
+
+def bubble_slots(schedule: str, pp: int, v: int = 1) -> float:
+    """Idle time per step in micro-batch slots (a slot: one micro-batch's F + B on a stage), as
+    shardwise/parallel/pipeline/schedule.bubble_formula has it for uniform stages: GPipe and
+    1F1B pp - 1; interleaved 1F1B (pp - 1)/v (Narayanan et al. 2021); ZB-H1 (pp - 1)/3, Qi et
+    al.'s (pp-1)(T_F + T_B - T_W) with the slot's thirds F = B = W. The step's idle fraction
+    is bubble_slots / (m + bubble_slots)."""
+    if pp <= 1:
+        return 0.0
+    if schedule == "interleaved-1f1b":
+        return (pp - 1) / v
+    if schedule == "zb-h1":
+        return (pp - 1) / 3
+    return float(pp - 1)
 
 
 @dataclass(frozen=True)
@@ -35,7 +52,11 @@ class Layout:
     micro_batch: int = 1
     """Sequences per micro-batch per replica."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b."""
+    """Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, interleaved-1f1b
+    (``virtual_stages`` chunks per rank) or zb-h1 (backward split into input and weight
+    gradients); see :func:`bubble_slots`."""
+    virtual_stages: int = 1
+    """interleaved-1f1b: model chunks per pipeline rank (1 for every other schedule)."""
     num_ps: int = 0
     """Parameter-server ranks (0: no parameter server)."""
     sequence_parallel: bool = False
@@ -51,8 +72,11 @@ class Layout:
             raise PlanError("zero", self.zero, "is not a ZeRO stage", "use 0, 1, 2 or 3")
         if self.offload not in ("none", "cpu", "disk"):
             raise PlanError("offload", self.offload, "is unknown", "use none, cpu or disk")
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise PlanError("schedule", self.schedule, "is unknown", "use gpipe or 1f1b")
+        if self.schedule not in SCHEDULES:
+            raise PlanError("schedule", self.schedule, "is unknown", "use " + ", ".join(SCHEDULES))
+        if self.virtual_stages < 1 or (self.virtual_stages > 1) != (self.schedule == "interleaved-1f1b"):
+            raise PlanError("virtual_stages", self.virtual_stages, f"does not fit {self.schedule}",
+                            "use virtual_stages >= 2 with interleaved-1f1b, else 1")
         if self.offload != "none" and self.zero < (3 if self.offload == "disk" else 2):
             raise PlanError("offload", self.offload, f"needs a higher ZeRO stage than {self.zero}",
                             "offload to cpu with zero 2 or 3, to disk with zero 3")
@@ -98,7 +122,8 @@ class Layout:
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
         if self.pp > 1:
-            parts.append(self.schedule)
+            parts.append(self.schedule + (f" v={self.virtual_stages}"
+                                          if self.virtual_stages > 1 else ""))
         if self.sequence_parallel:
             parts.append("sp")
         parts.append(f"mb={self.micro_batch}")

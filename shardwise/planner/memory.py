@@ -126,6 +126,11 @@ def stage_activations(model: ModelSpec, layout: Layout, batch: Batch, stage: int
         in_flight = 1
     elif layout.schedule == "gpipe":
         in_flight = microbatches
+    elif layout.schedule == "zb-h1":          # W of stage s deferred by s: p on every stage
+        in_flight = min(microbatches, pp)
+    elif layout.schedule == "interleaved-1f1b":   # chunks of 1/v stage (pipeline/interleaved.py)
+        v = layout.virtual_stages
+        in_flight = min(microbatches * v, (pp - stage - 1) * 2 + (v - 1) * pp + 1) / v
     else:
         in_flight = min(microbatches, pp - stage)
     layers = layers_on_stage(model, pp, stage)

@@ -7,6 +7,11 @@ config: losses every step and gathered parameters (fp32 rtol 1e-5: tests/referen
 parameters must also equal their initial values bit for bit, and DDP's gradient traffic must
 shrink to the trainable share exactly (frozen parameters are not communicated).
 
+A model we did not write: a Hugging Face GPT-2 (Conv1D layers, tied lm_head, ModelOutput), its
+ranks seeded differently before ``prepare``, LoRA on its attention and MLP Conv1D layers, trained
+by a user's own loop (engine.backward / clip_grad_norm_ / step) under ddp and zero3 with two
+parameter groups, must equal the same loop under ``single`` (fp32 rtol 1e-5).
+
 8-bit AdamW under ZeRO keeps each shard's moments in 8 bits: its blocks of 2048 values are cut
 from the flat shard, not from each tensor as on one process, so the quantisation (and with it
 the trajectory) differs slightly; the check is the state (uint8 codes, about 2 bytes per
@@ -49,10 +54,40 @@ for _stage in ("zero1", "zero2", "zero3"):
     RUNS[f"adam8-{_stage}"] = replace(_c, train=replace(_c.train, optimizer="adamw8bit"))
 
 
+HF_LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "*attn.c_attn,*mlp.c_fc"}
+HF_STEPS, HF_BATCH, HF_SEED = 4, 8, 100
+
+
+def _hf_cfg(strategy):
+    from shardwise.config import Config, MemoryConfig, ParallelConfig, TrainConfig
+    return Config(parallel=ParallelConfig(strategy=strategy, bucket_mb=0.004),
+                  memory=MemoryConfig(**HF_LORA), train=TrainConfig(batch_size=HF_BATCH,
+                                                                      device="cpu"))
+
+
+def _hf_lora(strategy, rank=0):
+    """HF GPT-2 (seeded by rank) with LoRA, prepared under ``strategy``, a user's loop."""
+    import shardwise
+    from models_hf import lm_loss, tiny_gpt2, token_batches, two_groups
+    engine = shardwise.prepare(tiny_gpt2(HF_SEED + rank), two_groups(), _hf_cfg(strategy),
+                               loss_fn=lm_loss)
+    losses = []
+    for x, y in token_batches(HF_STEPS, HF_BATCH):
+        xs, ys = engine.shard(x, y)
+        loss = engine.loss_fn(engine(xs), ys)
+        engine.backward(loss)
+        engine.strategy.clip_grad_norm_(1.0)
+        engine.step()
+        losses.append(engine.strategy.reduce_mean(loss.detach()))
+    out = {"losses": losses, "params": engine.full_state_dict()}
+    engine.close()
+    return out
+
+
 def _train_all(rank, world, runs):
     from shardwise.runtime import init_runtime
     from shardwise.train import train
-    out = {}
+    out = {f"hf-lora-{s}": _hf_lora(s, rank) for s in ("ddp", "zero3")}
     for name, cfg in runs.items():
         s = train(cfg, init_runtime(cfg), quiet=True)
         comm = s["comm"].get("ddp_all_reduce", {})
@@ -78,6 +113,21 @@ def test_layout_equals_one_process(world, name):
     losses, params = single_run(RUNS[name])
     assert_close_runs(world[name]["losses"], losses, world[name]["params"], params, 1e-5, 1e-5,
                       why="fp32 reordering (tests/reference.py)")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_hf_gpt2_lora_equals_one_process(world, strategy):
+    ref = _hf_lora("single")
+    got = world[f"hf-lora-{strategy}"]
+    assert sum(".lora_" in n for n in got["params"]) == 2 * 2 * 2     # A, B x 2 layers x 2 blocks
+    assert_close_runs(got["losses"], ref["losses"], got["params"], ref["params"], 1e-5, 1e-5,
+                      why="fp32 reordering (tests/reference.py)")
+    from models_hf import tiny_gpt2
+    base = dict(tiny_gpt2(HF_SEED).named_parameters())         # rank 0's initial weights
+    frozen = [n for n in got["params"] if ".lora_" not in n]
+    assert len(frozen) == len(base)       # every original weight is there, none dropped
+    for n in frozen:                      # and frozen: bit for bit rank 0's initial value
+        assert torch.equal(got["params"][n], base[n.replace(".base.", ".")].detach()), n
 
 
 @pytest.mark.parametrize("name", ["freeze-ddp", "freeze-zero3", "freeze-tp2"])

@@ -64,5 +64,83 @@ class ZeroStateMixin:
         for n, p in state.get("frozen", {}).items():
             params[n].copy_(p)
 
+    # -- the layout-free optimizer state (shardwise/checkpoint/: reshard) --------------------
+    def canonical_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per parameter (original name, whole tensors on CPU): the element-wise optimizer
+        states gathered from every rank's shard views as the masters are in
+        ``full_state_dict`` (one all-gather per chunk and state, meter ``zero_state_ag``; then
+        the tp pieces), and the scalars (Adam's step) from the views. The state names are
+        agreed over dp first (one object collective), since a rank may hold no view of a chunk.
+        Memory: one whole chunk per state at a time on the device, the result on CPU."""
+        names = {p: n for n, p in self.model.named_parameters()}
+        mine = {}
+        for c in self.chunks:
+            for _, _, _, view in c.masters:
+                for key, v in self.optimizer.state.get(view, {}).items():
+                    if torch.is_tensor(v):
+                        mine.setdefault(key, v.detach().cpu().clone() if v.dim() == 0 else None)
+        keys: dict = {}
+        for part in self.comm.all_gather_object(mine, self.group):
+            for key, v in part.items():
+                if keys.get(key) is None:
+                    keys[key] = v
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for c in self.chunks:
+            for key, scalar in sorted(keys.items()):
+                if scalar is not None:      # the same step count for every parameter
+                    for p in c.params:
+                        out.setdefault(names[p], {})[key] = scalar.clone()
+                    continue
+                shard = torch.zeros(c.layout.shard_numel, dtype=torch.float32,
+                                    device=c.master.device)
+                for _, lo, hi, view in c.masters:
+                    v = self.optimizer.state.get(view, {}).get(key)
+                    if v is not None:
+                        shard[lo:hi].copy_(v)
+                full = torch.empty(c.layout.padded, dtype=torch.float32, device=c.master.device)
+                self._all_gather(full, shard, async_op=False, name="zero_state_ag")
+                for p, v in zip(c.params, c.layout.views(full)):
+                    out.setdefault(names[p], {})[key] = v.detach().cpu().clone()
+        if self.plan is not None:           # tensor parallel: whole tensors from the tp pieces
+            for key, scalar in sorted(keys.items()):
+                if scalar is None:
+                    whole = self._whole({n: out[n][key] for n, _ in self.model.named_parameters()
+                                         if n in out})
+                    for n, v in whole.items():
+                        out[n][key] = v
+        return out
+
+    @torch.no_grad()
+    def load_canonical_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Set each master view's optimizer state from whole per-name tensors: every chunk's
+        states are laid out flat as its parameters are, and this rank keeps its shard (no
+        communication; tensor-parallel pieces cut first). Offloaded states move to the store."""
+        names = {p: n for n, p in self.model.named_parameters()}
+        for c in self.chunks:
+            present = [state.get(names[p], {}) for p in c.params]
+            keys = sorted({k for entry in present for k in entry})
+            for key in keys:
+                pieces = []
+                for p, shape, entry in zip(c.params, c.layout.shapes, present):
+                    v = entry.get(key)
+                    if v is None:       # (stage 3's p.data is not the whole parameter)
+                        pieces.append(torch.zeros(shape))
+                        continue
+                    pieces.append(self._tp_piece(names[p], v))   # base.Strategy
+                if pieces and pieces[0].dim() == 0:      # a scalar: every view takes it
+                    for _, _, _, view in c.masters:
+                        self.optimizer.state[view][key] = pieces[0].clone()
+                    continue
+                flat = c.layout.new_flat(pieces, torch.float32, c.master.device)
+                shard = c.layout.shard(flat, self.group.rank)
+                for _, lo, hi, view in c.masters:
+                    st = self.optimizer.state[view]
+                    if torch.is_tensor(st.get(key)) and st[key].shape == view.shape:
+                        st[key].copy_(shard[lo:hi])   # keep a store-owned (offloaded) tensor
+                    else:
+                        st[key] = shard[lo:hi].clone()
+            for _, _, _, view in c.masters:
+                self.store.adopt_state(self.optimizer.state.get(view, {}))
+
     def _finish_gathers(self) -> None:
         """Stages 1-2 wait for the all-gathers started in _after_chunk_step."""

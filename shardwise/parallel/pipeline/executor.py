@@ -1,19 +1,33 @@
 """Run one stage's part of a pipeline schedule for one step, recording when each action ran.
 
 The executor walks its stage's actions (schedule.steps groups consecutive transfers into one
-batch, posted together through comm/p2p.py). F i: forward of micro-batch i on the received
-activation (or the token ids on the first stage); on the last stage also the loss, scaled by
-``loss_scale`` (1/m: the step's loss is the mean over micro-batches, as in single training).
-B i: backward from the loss (last stage) or from the received output gradient; the input's
-gradient is what SEND_B sends back. Activations of micro-batch i are dropped after B i, and the
-number of micro-batches held at once is recorded (its peak is GPipe's m or 1F1B's p - s).
+batch, posted together through comm/p2p.py). It holds one model chunk, or v of them in an
+interleaved pipeline (stage.VirtualStages); every action names its chunk, and activations,
+gradients and outputs are kept per (chunk, micro-batch). The first chunk of rank 0 reads the
+token ids, the last chunk of rank p-1 computes the loss.
+
+F i: forward of micro-batch i on the received activation (or the token ids on the first stage);
+on the last stage also the loss, scaled by ``loss_scale`` (1/m: the step's loss is the mean over
+micro-batches, as in single training). B i: backward from the loss (last stage) or from the
+received output gradient; the input's gradient is what SEND_B sends back. Activations of
+micro-batch i are dropped after B i, and the number of micro-batches held at once is recorded
+(its peak is GPipe's m or 1F1B's p - s).
+
+Split backward (a chunk whose actions include W, ZB-H1): F also keeps the residual stream at
+every block boundary (stage.PipelineStage.forward). B i is ``torch.autograd.grad`` of the output
+with respect to the stage input and those boundaries, graph kept (``retain_graph``): the input
+gradient, sent upstream at once, and each block's output gradient, no weight gradient at all.
+W i then runs, per block (and for the embeddings and the head), ``torch.autograd.backward`` from
+that block's output with its output gradient, restricted to the block's parameters (``inputs``):
+it accumulates into ``.grad`` exactly the terms of the unsplit backward (a gradient hook sees
+the same calls), traversing only that block's graph, and frees it. Activations stay until W.
 
 Sends do not block: their Works stay in flight while the stage computes the next action and
 are waited at the end of the step (comm/p2p.py); receives are waited before the action that
 uses them.
 
 Records: ``(op, mb, t0, t1)`` per action with wall-clock times (time.time(), comparable between
-processes of one host), for timeline.py.
+processes of one host), and each action's chunk in ``chunks``, for timeline.py.
 """
 from __future__ import annotations
 
@@ -26,8 +40,9 @@ import torch
 import torch.nn as nn
 
 from shardwise.comm.collectives import Comm, Group
+from shardwise.comm import p2p
 from shardwise.comm.p2p import ACT, GRAD, P2POp, exchange
-from shardwise.parallel.pipeline.schedule import Action, steps
+from shardwise.parallel.pipeline.schedule import Action, peer_of, split_chunks, steps
 
 
 @dataclass
@@ -36,87 +51,149 @@ class StepRecord:
     stage: int
     records: list = field(default_factory=list)   # (op, mb, t0, t1)
     peak_in_flight: int = 0
+    chunks: list = field(default_factory=list)    # the chunk of each record
 
 
 class PipelineExecutor:
-    """Runs schedules for one stage module; ``act_shape`` is a micro-batch's (b, T, C)."""
+    """Runs schedules for one stage module (or the v chunks of a stage.VirtualStages);
+    ``act_shape`` is a micro-batch's (b, T, C)."""
 
     def __init__(self, stage: nn.Module, comm: Comm, pp_group: Group, loss_fn, device,
                  autocast=contextlib.nullcontext):
         self.stage, self.comm, self.group = stage, comm, pp_group
+        self.chunks = list(stage.chunks) if hasattr(stage, "chunks") else [stage]
         self.autocast = autocast    # mixed precision: the stage runs under it, activations go fp32
         self.loss_fn, self.device = loss_fn, device
         self.index, self.num_stages = pp_group.rank, pp_group.size
         self.is_first, self.is_last = self.index == 0, self.index == self.num_stages - 1
 
+    def _first(self, c: int) -> bool:
+        return self.is_first and c == 0
+
+    def _last(self, c: int) -> bool:
+        return self.is_last and c == len(self.chunks) - 1
+
     def run(self, actions: list[Action], xs: list[torch.Tensor], ys: list[torch.Tensor],
             act_shape: tuple, loss_scale: float, on_backward=None) -> tuple[torch.Tensor, StepRecord]:
         """One step of the schedule; returns (sum of scaled micro-batch losses, the record).
         The loss is only meaningful on the last stage (zero elsewhere). ``on_backward(mb,
-        last)``, when given, runs before each micro-batch's backward (``last``: this stage's
-        final backward of the step; data parallelism reduces during that one)."""
+        last)``, when given, runs before each action that computes weight gradients (B, or W
+        where the backward is split); ``last``: this stage's final one of the step, after which
+        every gradient is complete (data parallelism reduces during it). With several chunks
+        no single backward completes every gradient: ``last`` is then never true."""
         self._xs, self._ys, self._shape, self._scale = xs, ys, act_shape, loss_scale
-        backwards = [a.mb for a in actions if a.op == "B"]
-        self._last_b = backwards[-1] if backwards else None
+        self._split = split_chunks(actions)
+        weights = [a for a in actions if a.op == ("W" if a.chunk in self._split else "B")]
+        self._last_w = weights[-1] if weights and len(self.chunks) == 1 else None
         self._on_backward = on_backward
-        self._inputs: dict[int, torch.Tensor] = {}     # received activations (need their grad)
-        self._outputs: dict[int, torch.Tensor] = {}    # stage outputs (or scaled losses)
-        self._grads: dict[int, torch.Tensor] = {}      # received output gradients
+        self._segments = {c: self.chunks[c].weight_segments() for c in self._split}
+        self._inputs: dict[tuple, torch.Tensor] = {}   # received activations (need their grad)
+        self._outputs: dict[tuple, torch.Tensor] = {}  # stage outputs (or scaled losses)
+        self._grads: dict[tuple, torch.Tensor] = {}    # received output gradients
+        self._bounds: dict[tuple, list] = {}           # split: block boundaries, then their grads
         self._loss = torch.zeros((), device=self.device)
         self._in_flight: list = []                     # sends still draining (work, tensor)
         rec = StepRecord(self.index)
         for step in steps(actions):
-            t0 = time.time()
-            if step[0].op in ("F", "B"):
-                getattr(self, "_" + step[0].op)(step[0].mb)
+            t0, a = time.time(), step[0]
+            if a.op in ("F", "B", "W"):
+                getattr(self, "_" + a.op)(a.mb, a.chunk)
                 rec.peak_in_flight = max(rec.peak_in_flight, len(self._outputs))
             else:
                 self._transfer(step)
-            rec.records.append(("+".join(a.op for a in step), step[0].mb, t0, time.time()))
+            rec.records.append(("+".join(b.op for b in step), a.mb, t0, time.time()))
+            rec.chunks.append(a.chunk)
         for work, _ in self._in_flight:                # the step's sends have all arrived
             work.wait()
         self._in_flight.clear()
         return self._loss, rec
 
-    def _F(self, i: int) -> None:
-        if self.is_first:
+    def _hook(self, a: Action) -> None:
+        if self._on_backward is not None:
+            self._on_backward(a.mb, a == self._last_w)
+
+    def _F(self, i: int, c: int) -> None:
+        if self._first(c):
             x = self._xs[i].to(self.device)                 # (b, T) token ids
         else:
-            x = self._inputs[i]                              # (b, T, C), requires grad
+            x = self._inputs[(c, i)]                         # (b, T, C), requires grad
         with self.autocast():
-            out = self.stage(x).float()                      # fp32 on the wire and into the loss
-        if self.is_last:
+            if c in self._split:                             # keep the block boundaries too
+                self._bounds[(c, i)] = bounds = []
+                out = self.chunks[c](x, bounds).float()
+            else:
+                out = self.chunks[c](x).float()              # fp32 on the wire and into the loss
+        if self._last(c):
             out = self.loss_fn(out, self._ys[i].to(self.device)) * self._scale
             self._loss += out.detach()
-        self._outputs[i] = out
+        self._outputs[(c, i)] = out
 
-    def _B(self, i: int) -> None:
-        if self._on_backward is not None:
-            self._on_backward(i, i == self._last_b)
-        out = self._outputs.pop(i)
-        if self.is_last:
+    def _B(self, i: int, c: int) -> None:
+        if c in self._split:
+            self._input_grad(i, c)
+            return
+        self._hook(Action("B", i, c))
+        out = self._outputs.pop((c, i))
+        if self._last(c):
             out.backward()
         else:
-            out.backward(self._grads.pop(i))
+            out.backward(self._grads.pop((c, i)))
+
+    def _input_grad(self, i: int, c: int) -> None:
+        """Split B: gradients of the input and of every block boundary, no weight gradient."""
+        out, bounds = self._outputs[(c, i)], self._bounds[(c, i)]
+        grad_out = None if self._last(c) else self._grads.pop((c, i))
+        grads = torch.autograd.grad(out, bounds, grad_out, retain_graph=True)
+        self._bounds[(c, i)] = (bounds, grads)
+        if not self._first(c):
+            self._inputs[(c, i)].grad = grads[0]             # what SEND_B sends
+
+    def _W(self, i: int, c: int) -> None:
+        """Split W: each segment's weights from its own output gradient (module docstring)."""
+        self._hook(Action("W", i, c))
+        out = self._outputs.pop((c, i))
+        bounds, grads = self._bounds.pop((c, i))
+        for k, params in self._segments[c]:
+            if k is None:                                    # the head: from the loss itself
+                torch.autograd.backward(out, inputs=params)
+            else:
+                torch.autograd.backward(bounds[k], grads[k], inputs=params)
 
     def _transfer(self, batch: list[Action]) -> None:
-        ops = []
+        ops, p, v = [], self.num_stages, len(self.chunks)
         for a in batch:
+            peer, _ = peer_of(self.index, p, v, a)
+            key = (a.chunk, a.mb)
             if a.op == "SEND_F":
-                ops.append(P2POp("send", self._outputs[a.mb].detach(), self.index + 1, ACT))
+                ops.append(P2POp("send", self._outputs[key].detach(), peer, ACT))
             elif a.op == "SEND_B":
-                x = self._inputs.pop(a.mb)
-                ops.append(P2POp("send", x.grad, self.index - 1, GRAD))
+                x = self._inputs.pop(key)
+                ops.append(P2POp("send", x.grad, peer, GRAD))
             elif a.op == "RECV_F":
                 buf = torch.empty(self._shape, device=self.device)
-                self._inputs[a.mb] = buf
-                ops.append(P2POp("recv", buf, self.index - 1, ACT))
+                self._inputs[key] = buf
+                ops.append(P2POp("recv", buf, peer, ACT))
             else:  # RECV_B
                 buf = torch.empty(self._shape, device=self.device)
-                self._grads[a.mb] = buf
-                ops.append(P2POp("recv", buf, self.index + 1, GRAD))
+                self._grads[key] = buf
+                ops.append(P2POp("recv", buf, peer, GRAD))
         # receives are waited (the next action computes on them); sends drain while it does
         self._in_flight += exchange(self.comm, self.group, ops, wait_sends=False)
         for a in batch:
             if a.op == "RECV_F":
-                self._inputs[a.mb].requires_grad_(True)
+                self._inputs[(a.chunk, a.mb)].requires_grad_(True)
+
+
+@torch.no_grad()
+def evaluate_stages(ex: PipelineExecutor, x: torch.Tensor, act_shape: tuple):
+    """A whole batch forward through the pipeline, no schedule: each of this rank's chunks in
+    virtual-stage order, receiving from the previous rank and sending to the next (meter
+    ``pp_eval``). Returns the last chunk's output: the logits on the last rank."""
+    p, out = ex.num_stages, None
+    for c, chunk in enumerate(ex.chunks):
+        h = x if ex._first(c) else p2p.recv(ex.comm, ex.group, act_shape, (ex.index - 1) % p,
+                                            device=ex.device, name="pp_eval")
+        out = chunk(h)
+        if not ex._last(c):
+            p2p.send(ex.comm, ex.group, out, (ex.index + 1) % p, name="pp_eval")
+    return out

@@ -5,6 +5,10 @@ pos_emb), the last the final norm and the head. Boundaries are balanced by param
 (min over cuts of the largest stage, by dynamic programming) or given as ``stage_layers``
 ('1,3' = one block on stage 0, three on stage 1). Parameters keep their single-model names
 through :meth:`PipelineStage.global_name` (``blocks.0`` of stage 1 may be ``blocks.2``).
+
+Interleaved schedules cut p·v virtual stages the same way and give rank r the chunks r, r + p,
+..., r + (v-1)p (:class:`VirtualStages`, :func:`stage_of`). A split backward (ZB-H1) cuts a
+stage further at block boundaries (:meth:`PipelineStage.weight_segments`).
 """
 from __future__ import annotations
 
@@ -82,13 +86,31 @@ class PipelineStage(nn.Module):
         if self.is_last:
             self.ln_f, self.head = gpt.ln_f, gpt.head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, boundaries: list | None = None) -> torch.Tensor:
+        """``boundaries``, when given, receives the residual stream entering the first block and
+        leaving each block (a split backward's cut points: :meth:`weight_segments`)."""
         if self.is_first:                                   # x: (B, T) token ids
             pos = torch.arange(x.shape[1], device=x.device)
             x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        if boundaries is not None:
+            boundaries.append(x)
         for block in self.blocks:                           # (B, T, C)
             x = block(x)
+            if boundaries is not None:
+                boundaries.append(x)
         return self.head(self.ln_f(x)) if self.is_last else x
+
+    def weight_segments(self) -> list[tuple[int | None, list[nn.Parameter]]]:
+        """This stage's trainable parameters cut at the forward's boundaries: (k, params) where
+        boundary k is the segment's output (0: the embeddings, 1..L: block k-1) and None the
+        head, whose output is the stage's output. Segments without trainable ones are left out."""
+        def trainable(*modules):
+            return [q for mod in modules for q in mod.parameters() if q.requires_grad]
+        segments = [(0, trainable(self.tok_emb, self.pos_emb))] if self.is_first else []
+        segments += [(k + 1, trainable(b)) for k, b in enumerate(self.blocks)]
+        if self.is_last:
+            segments.append((None, trainable(self.ln_f, self.head)))
+        return [(k, params) for k, params in segments if params]
 
     def global_name(self, local: str) -> str:
         """The single-model name of one of this stage's parameters."""
@@ -96,3 +118,30 @@ class PipelineStage(nn.Module):
             _, i, rest = local.split(".", 2)
             return f"blocks.{int(i) + self.start}.{rest}"
         return local
+
+
+class VirtualStages(nn.Module):
+    """Interleaved pipelines: the v chunks (virtual stages ``rank + c·p``) that one rank holds, as
+    one module whose parameters are ``chunks.<c>.<the chunk's own name>`` (the executor runs the
+    chunks themselves; this module only holds them for the optimizer, data parallelism and
+    state dicts)."""
+
+    def __init__(self, gpt: nn.Module, bounds: list[tuple[int, int]], rank: int, p: int):
+        super().__init__()
+        self.chunks = nn.ModuleList(PipelineStage(gpt, bounds, c * p + rank)
+                                    for c in range(len(bounds) // p))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the chunks of an interleaved pipeline run one at a time, in the "
+                           "schedule's order (executor.py)")
+
+    def global_name(self, local: str) -> str:
+        _, c, rest = local.split(".", 2)                     # chunks.<c>.<name>
+        return self.chunks[int(c)].global_name(rest)
+
+
+def stage_of(gpt: nn.Module, bounds: list[tuple[int, int]], rank: int,
+             p: int) -> PipelineStage | VirtualStages:
+    """Rank ``rank``'s part of the p-rank pipeline cut at ``bounds`` (stage_bounds over p·v
+    virtual stages): stage ``rank`` itself, or with v > 1 its v chunks."""
+    return PipelineStage(gpt, bounds, rank) if len(bounds) == p else VirtualStages(gpt, bounds, rank, p)

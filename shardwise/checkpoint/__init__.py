@@ -1,0 +1,17 @@
+"""Checkpoints: save from every layout, resume exactly, reshard into another layout, export.
+
+    store.py      the folder: step-N/ sub-folders, meta.json, an atomic 'latest', keep K
+    dcp_io.py     the one door to torch.distributed.checkpoint (explicit group)
+    state.py      what a checkpoint holds; save; plan_resume / restore_model / restore
+    canonical.py  the layout-free form (model and optimizer state by parameter name)
+    checks.py     refusals before launch (one line, exit 2)
+    stop.py       SIGINT / SIGTERM with checkpointing on: save at the step boundary, then stop
+    tools.py      ``shardwise checkpoint inspect | export``
+
+train.py drives it: ``plan_resume`` -> ``restore_model`` (reshard: into the plain model) ->
+``prepare`` -> ``restore`` -> the loop, with ``save`` every ``train.checkpoint_every`` steps, at
+the end, and on a stop.
+"""
+from shardwise.checkpoint.state import ResumePlan, plan_resume, restore, restore_model, save
+
+__all__ = ["ResumePlan", "plan_resume", "restore", "restore_model", "save"]

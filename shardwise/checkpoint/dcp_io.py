@@ -1,0 +1,78 @@
+"""The one door to torch.distributed.checkpoint (DCP): save, load and read the metadata.
+
+DCP's own collectives (gathering the save plans, the coordinator's metadata write, the final
+all-reduce) run over the explicit group passed in, the world's (shardwise/mesh.py); a world of
+one (``Group.pg is None``) runs DCP without a process group. Save: each rank writes one file
+``__<rank>_0.distcp``; a key held by several ranks with equal values (the canonical model, the
+shared progress) is written once (DCP's de-duplication); the coordinator (rank 0 of the group)
+writes ``.metadata`` and every rank returns only after it has, so when ``save`` returns on every
+rank the folder is complete. Load fills a template in place: tensors are copied into the given
+tensors (any size DCP can cut from the stored chunks), a ``BytesIO`` (or any non-tensor) value
+is replaced by what was stored.
+"""
+from __future__ import annotations
+
+import io
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from shardwise.comm.collectives import Group
+
+
+def save(state: dict, folder: str, group: Group) -> None:
+    """Write ``state`` (a flat dict of tensors and objects) into ``folder`` from every rank."""
+    if group.pg is None:
+        with warnings.catch_warnings():     # "assuming ... a single process": it is one
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, checkpoint_id=folder, no_dist=True)
+    else:
+        dcp.save(state, checkpoint_id=folder, process_group=group.pg)
+
+
+def load(template: dict, folder: str, group: Group | None) -> dict:
+    """Fill ``template`` (keys to read: tensors to copy into, objects to replace) from ``folder``;
+    returns it. ``group`` None (or of size one): this process reads alone."""
+    if group is None or group.pg is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(template, checkpoint_id=folder, no_dist=True)
+    else:
+        dcp.load(template, checkpoint_id=folder, process_group=group.pg)
+    return template
+
+
+def stored(folder: str) -> dict:
+    """{key: (shape, dtype)} of every stored tensor, and {key: None} of every stored object."""
+    meta = FileSystemReader(folder).read_metadata()
+    return {k: ((tuple(v.size), v.properties.dtype) if isinstance(v, TensorStorageMetadata)
+                else None) for k, v in meta.state_dict_metadata.items()}
+
+
+def read_tensors(folder: str, prefix: str) -> dict[str, torch.Tensor]:
+    """Every stored tensor whose key starts with ``prefix``, whole, read by this process alone
+    (prefix stripped from the keys)."""
+    template = {k: torch.empty(shape, dtype=dtype) for k, v in stored(folder).items()
+                if v is not None and k.startswith(prefix) for shape, dtype in [v]}
+    if not template:
+        return {}
+    load(template, folder, None)
+    return {k[len(prefix):]: t for k, t in template.items()}
+
+
+def read_object(folder: str, key: str, group: Group | None):
+    """One stored object (saved as a BytesIO of torch.save), unpickled."""
+    out = load({key: io.BytesIO()}, folder, group)[key]
+    out.seek(0)
+    return torch.load(out, weights_only=False)
+
+
+def as_bytes(obj) -> io.BytesIO:
+    """An object DCP stores as opaque bytes (torch.save into memory)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf

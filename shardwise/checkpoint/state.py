@@ -1,0 +1,152 @@
+"""What a checkpoint holds, how every rank saves it, and how a run resumes from it.
+
+One DCP checkpoint (checkpoint/dcp_io.py) per save, with three parts:
+
+    rank<r>/state     rank r's own state, exactly as its strategy holds it, as opaque bytes
+                      (torch.save in memory): ``strategy.state_dict()`` (model or shards,
+                      optimizer or its shards, ZeRO masters, ps counters), the loss scaler, and
+                      the rank's RNG states (torch CPU and CUDA, Python ``random``, numpy)
+    model/...         the layout-free model (checkpoint/canonical.py), whole, written once
+    optim/...         the layout-free optimizer state, where the layout has one (canonical.py)
+
+plus ``meta.json`` (store.py): step, world size, layout, the layout key, sizes, config.
+
+The data position and the learning-rate schedule are functions of the step (train.py's
+``data.batch(step, ...)`` and ``lr_at(step, cfg)``), so the step is all they need.
+
+Resume (:func:`plan_resume` before the model is wrapped, :func:`restore` after): a checkpoint
+saved by the same layout at the same world size (:func:`layout_key` equal) loads each rank's
+own ``rank<r>/state``, so the resumed run is bit-identical to one that never stopped (tested
+on CPU for every layout). Any other layout reshards: the canonical model goes into the plain
+model before ``prepare`` and the canonical optimizer state into the new layout after it
+(memory: the whole model and optimizer state on every rank while loading). What can do
+neither is refused before launch (checks.py).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shardwise.checkpoint import canonical, dcp_io, store
+from shardwise.config import Config, to_dict
+from shardwise.layout import describe, resolve
+from shardwise.presets import DATA_MODEL, resolve_dp
+
+# parallel and memory settings that do not change what a rank holds, so that a resume may
+# change them and still load the ranks' own states
+_FREE = {"nproc_per_node", "overlap", "allreduce", "grad_compression", "find_unused",
+         "num_microbatches", "schedule", "ps_timeout", "on_worker_failure", "straggler",
+         "grad_accum", "activation_checkpointing", "memory_report", "offload_dir"}
+
+
+def layout_key(cfg: Config, world_size: int) -> dict:
+    """What must be equal for a rank to load its own saved state: world size, the parallel and
+    memory settings that shape the shards, the model and the optimizer. A composed layout is
+    its (dp, tp, pp, zero stage), whatever name it was typed with (``--strategy pp --pp 2`` is
+    ``--pp 2``; ``--zero1-over-dp`` is stage 1)."""
+    cfg = resolve(cfg)
+    d = to_dict(cfg)
+    part = {f"{sec}.{k}": v for sec in ("parallel", "memory")
+            for k, v in d[sec].items() if k not in _FREE}
+    if cfg.parallel.strategy in DATA_MODEL:
+        part.update({"parallel.strategy": "composed", "parallel.zero1_over_dp": None,
+                     "parallel.dp": resolve_dp(cfg, world_size)})
+    return {"world_size": world_size, **part, "model": d["model"],
+            "optimizer": cfg.train.optimizer}
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(engine, cfg: Config, step: int) -> str:
+    """Every rank: save the state after ``step`` optimizer steps into
+    ``train.checkpoint_dir``/step-<step>, then (rank 0) publish it (store.publish). Collective
+    over the world. Returns the published folder."""
+    rt, strategy = engine.runtime, engine.strategy
+    world, root = rt.mesh.world, cfg.train.checkpoint_dir
+    if rt.is_main:
+        store.begin(root, step)
+    rt.comm.barrier(world)                         # the folder exists before anyone writes
+    state = {f"rank{rt.rank}/state": dcp_io.as_bytes({
+        "strategy": strategy.state_dict(), "scaler": strategy.scaler.state_dict(),
+        "rng": rng_state()})}
+    tensors = canonical.model_state(strategy, rt.comm, rt.mesh)
+    state.update({canonical.MODEL + k: v for k, v in tensors.items()})
+    reshard = canonical.why_not_reshardable(cfg) is None
+    if reshard:
+        state.update(canonical.flat_optimizer(strategy.canonical_optimizer_state()))
+    state["common/scaler"] = dcp_io.as_bytes(strategy.scaler.state_dict())
+    if rt.is_main:                                 # one rank's value per key (DCP dedups)
+        state["common/rng"] = dcp_io.as_bytes(rng_state())
+    tmp = store.partial_path(root, step)
+    dcp_io.save(state, tmp, world)                 # returns when every rank's file is written
+    folder = store.step_name(step)
+    if rt.is_main:
+        meta = {"step": step, "world_size": rt.world_size, "layout": describe(resolve(cfg)),
+                "strategy": cfg.parallel.strategy, "layout_key": layout_key(cfg, rt.world_size),
+                "reshardable": reshard, "parameters": sum(t.numel() for t in tensors.values()),
+                "bytes": store.folder_bytes(tmp), "config": to_dict(cfg)}
+        folder = store.publish(root, step, meta, cfg.train.keep_checkpoints)
+    rt.comm.barrier(world)                         # published before any rank goes on
+    return folder
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    folder: str
+    step: int
+    exact: bool      # the same layout and world: each rank loads its own state
+
+
+def plan_resume(cfg: Config, world_size: int) -> ResumePlan | None:
+    """``train.resume``: the checkpoint ``latest`` names and how to load it (checks.py has
+    refused, before launch, what cannot load)."""
+    if not cfg.train.resume:
+        return None
+    folder = store.latest(cfg.train.checkpoint_dir)
+    if folder is None:
+        raise FileNotFoundError(f"no checkpoint in {cfg.train.checkpoint_dir}")
+    meta = store.read_meta(folder)
+    exact = meta["layout_key"] == layout_key(cfg, world_size)
+    return ResumePlan(folder, int(meta["step"]), exact)
+
+
+def restore_model(model, plan: ResumePlan | None) -> None:
+    """Before ``prepare``: a reshard puts the canonical model into the plain model."""
+    if plan is not None and not plan.exact:
+        canonical.load_model(model, dcp_io.read_tensors(plan.folder, canonical.MODEL))
+
+
+def restore(engine, plan: ResumePlan | None) -> int:
+    """After ``prepare``: load the optimizer (and, exactly, everything else) and the RNG
+    states; returns the step to continue from (0 without a plan)."""
+    if plan is None:
+        return 0
+    rt, strategy = engine.runtime, engine.strategy
+    if plan.exact:
+        own = dcp_io.read_object(plan.folder, f"rank{rt.rank}/state", rt.mesh.world)
+        strategy.load_state_dict(own["strategy"])
+        strategy.scaler.load_state_dict(own["scaler"])
+        set_rng_state(own["rng"])
+        return plan.step
+    optim = dcp_io.read_tensors(plan.folder, canonical.OPTIM)
+    strategy.load_canonical_optimizer_state(canonical.nested_optimizer(optim))
+    strategy.scaler.load_state_dict(dcp_io.read_object(plan.folder, "common/scaler", None))
+    set_rng_state(dcp_io.read_object(plan.folder, "common/rng", None))
+    return plan.step

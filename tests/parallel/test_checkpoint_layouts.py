@@ -1,0 +1,125 @@
+"""Checkpoints under every layout: an interrupted-and-resumed run is bit-identical to one that
+never stopped, and a checkpoint saved in one layout continues in another (reshard).
+
+Exact resume (same layout, same world): a layout trains 4 steps saving every 2 (run A); run B
+resumes from A's step-2 checkpoint (copied into a fresh folder, as if A had stopped there) in a
+fresh engine built from fresh weights, and must give A's last 2 losses and A's final parameters
+bit for bit (dropout 0.1 in these pairs: the RNG states are restored too). single, zero3 and
+ddp take their run A from the reshard chain below. The layouts here cover each state
+shape: DDP's replicas, ZeRO's flat shards (stage 3; stage 2 with bf16 working copies and fp32
+masters offloaded to the CPU), tensor-parallel slices, a pipeline with its flat ZeRO-1, and the
+parameter server (ZeRO-1 and pp2 over DDP were checked the same way when this was written). No tolerance: the same
+ranks redo the same arithmetic on the same state.
+
+Reshard (another layout or world): single (this process) saves at step 2 -> zero3 (world 2)
+resumes, saves at 4 -> ddp (world 2) resumes from zero3's step 4, saves at 5 -> single resumes
+from ddp's step 5; and single (step 4) -> tp2 (saves at 5) -> single. Every segment must equal single-process training
+continued from the same point, losses and final parameters, at fp32 rtol/atol 1e-5
+(tests/reference.py: the layouts sum gradients in another order).
+
+One forked world of 2 runs every multi-process run (ps at world 2: one ps task, one worker).
+"""
+import os
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from harness import assert_close_runs, run_world
+from reference import ATOL, RTOL, tiny_config
+from shardwise.checkpoint import store
+from shardwise.runtime import init_runtime
+from shardwise.train import train
+
+pytestmark = pytest.mark.timeout(300)
+STEPS = 6
+
+
+def _cfg(strategy, folder, every=2, resume=False, steps=STEPS, dropout=0.0, memory=None,
+         **parallel):
+    cfg = tiny_config(strategy, steps=steps, **parallel)
+    return replace(cfg, model=replace(cfg.model, dropout=dropout),
+                   memory=replace(cfg.memory, **(memory or {})),
+                   train=replace(cfg.train, checkpoint_dir=folder, checkpoint_every=every,
+                                 resume=resume),
+                   logging=replace(cfg.logging, schedule_png="off"))
+
+
+def _train(cfg):
+    summary = train(cfg, init_runtime(cfg), quiet=True)
+    params = summary["engine"].full_state_dict()
+    summary["engine"].close()
+    return summary["losses"], params
+
+
+def _seed(src: str, dst: str, rank: int = 0) -> None:
+    """A fresh --checkpoint-dir holding only ``src`` (a step-N folder), as latest."""
+    if rank == 0:
+        name = os.path.basename(src)
+        os.makedirs(dst)
+        shutil.copytree(src, os.path.join(dst, name))
+        store._write_atomic(os.path.join(dst, store.LATEST), name + "\n")
+
+
+EXACT = {   # name -> (strategy, parallel, memory): a pair of runs of their own
+    "zero2-offload-bf16": ("zero2", {}, {"offload": "cpu", "mixed_precision": "bf16"}),
+    "tp2": ("tp", {"tp": 2}, {}),
+    "pp2-zero1": ("3d", {"pp": 2, "zero_stage": 1}, {}),
+    "ps": ("ps", {}, {}),
+}
+
+
+def _exact_pair(root, name, rank, barrier):
+    strategy, parallel, memory = EXACT[name]
+    a, b = f"{root}/{name}-a", f"{root}/{name}-b"
+    la, pa = _train(_cfg(strategy, a, steps=4, dropout=0.1, memory=memory, **parallel))
+    _seed(f"{a}/step-2", b, rank)
+    barrier()
+    lb, pb = _train(_cfg(strategy, b, steps=4, resume=True, dropout=0.1, memory=memory,
+                         **parallel))
+    return la[2:], pa, lb, pb
+
+
+def _resume(strategy, src, dst, rank, barrier, every=2, **parallel):
+    """Resume ``strategy`` from the step-N folder ``src``, copied into a fresh folder ``dst``."""
+    _seed(src, dst, rank)
+    barrier()
+    return _train(_cfg(strategy, dst, every=every, resume=True, **parallel))
+
+
+def _world(rank, world, root):
+    import torch.distributed as dist
+    barrier = dist.barrier
+    out = {name: _exact_pair(root, name, rank, barrier) for name in EXACT}
+    # the reshard chain; each resharded run is also the uninterrupted run of an exact pair
+    z = out["zero3<-single"] = _resume("zero3", f"{root}/S/step-2", f"{root}/Z", rank, barrier)
+    out["zero3"] = (z[0][2:], z[1], *_resume("zero3", f"{root}/Z/step-4", f"{root}/Z2", rank,
+                                             barrier))
+    d = out["ddp<-zero3"] = _resume("ddp", f"{root}/Z/step-4", f"{root}/D", rank, barrier, 1)
+    out["ddp"] = (d[0][1:], d[1], *_resume("ddp", f"{root}/D/step-5", f"{root}/D2", rank,
+                                           barrier))
+    out["tp2<-single"] = _resume("tp", f"{root}/S/step-4", f"{root}/T", rank, barrier, 1, tp=2)
+    return out
+
+
+def test_exact_resume_every_layout_and_reshard(tmp_path):
+    root = str(tmp_path)
+    ref_losses, ref_params = _train(_cfg("single", f"{root}/S"))     # saves 2, 4, 6
+    nothing = lambda: None                                              # noqa: E731
+    runs = run_world(_world, 2, root, timeout=240)[0]
+    runs["single"] = (ref_losses[4:], ref_params,
+                      *_resume("single", f"{root}/S/step-4", f"{root}/S1", 0, nothing))
+    for name in [*EXACT, "zero3", "ddp", "single"]:
+        la, pa, lb, pb = runs[name]
+        assert lb == la, f"{name}: resumed losses {lb} vs uninterrupted {la}"
+        for key in pa:
+            assert torch.equal(pa[key], pb[key]), f"{name}: {key} differs after the resume"
+    why = "fp32: another layout sums the gradients in another order (tests/reference.py)"
+    chain = {"zero3<-single": 2, "ddp<-zero3": 4, "tp2<-single": 4}
+    for name, start in chain.items():
+        losses, params = runs[name]
+        assert_close_runs(losses, ref_losses[start:], params, ref_params, RTOL, ATOL, why)
+    for src in ("D/step-5", "T/step-5"):                # ddp -> single, tp2 -> single
+        losses, params = _resume("single", f"{root}/{src}", f"{root}/from-{src[0]}", 0, nothing)
+        assert_close_runs(losses, ref_losses[5:], params, ref_params, RTOL, ATOL, why)
