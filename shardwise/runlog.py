@@ -100,12 +100,12 @@ def log_line(record: dict, total: int, unit: str, eta_seconds: float) -> str:
 class _Progress:
     """A rich progress bar (rank 0, stdout a terminal)."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, done: int = 0):
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
         self.bar = Progress(TextColumn("[bold]train"), BarColumn(),
                             TextColumn("{task.completed}/{task.total}"),
                             TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
-        self.task = self.bar.add_task("train", total=total, info="")
+        self.task = self.bar.add_task("train", total=total, completed=done, info="")
         self.bar.start()
 
     def update(self, info: str) -> None:
@@ -118,8 +118,12 @@ class _Progress:
 class RunLog:
     """Rank 0's outputs for one run (a silent object on the other ranks)."""
 
-    def __init__(self, folder: str, lg, total_steps: int, unit: str, main: bool, quiet: bool):
+    def __init__(self, folder: str, lg, total_steps: int, unit: str, main: bool, quiet: bool,
+                 first_step: int = 0):
+        """``first_step``: the steps already done when this run starts (a resumed run): the bar
+        starts there and the time left is estimated from this run's own steps."""
         self.folder, self.total, self.unit, self.main = folder, total_steps, unit, main
+        self.first = first_step
         self.start = time.perf_counter()
         self._jsonl = self._csv = self._csv_fh = self._tb = self._bar = None
         self._print_lines = False
@@ -138,7 +142,7 @@ class RunLog:
             self._tb = SummaryWriter(os.path.join(folder, "tensorboard"))
         if not quiet and lg.progress:
             if sys.stdout.isatty():
-                self._bar = _Progress(total_steps)
+                self._bar = _Progress(total_steps, first_step)
             else:
                 self._print_lines = True
 
@@ -166,8 +170,8 @@ class RunLog:
             self._tb.flush()
         if self._print_lines:
             done = record["step"]
-            elapsed = time.perf_counter() - self.start
-            eta = elapsed / done * (self.total - done) if done else 0.0
+            elapsed, ran = time.perf_counter() - self.start, done - self.first
+            eta = elapsed / ran * (self.total - done) if ran > 0 else 0.0
             print(log_line(record, self.total, self.unit, eta), flush=True)
 
     def close(self) -> None:

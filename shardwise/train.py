@@ -100,7 +100,7 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     out = run_dir(cfg)
     main = rt.is_main
     unit = "tok" if data.kind == "tokens" else "samples"
-    log = RunLog(out, cfg.logging, cfg.train.steps, unit, main, quiet)
+    log = RunLog(out, cfg.logging, cfg.train.steps, unit, main, quiet, first_step=start)
     peak = device_peak_flops(rt.device)
     losses, step_times, val, train_sent = [], [], (None, None), 0
     window, done, saved = Window(), start, start

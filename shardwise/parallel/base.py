@@ -60,6 +60,7 @@ from shardwise.memory.amp import autocast_context
 from shardwise.mesh import Mesh
 from shardwise.parallel.ledger import ActivationLedger
 from shardwise.parallel.scaling import LossScaling
+from shardwise.parallel.state import StrategyState
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -135,7 +136,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
-class Strategy(ActivationLedger, LossScaling):
+class Strategy(ActivationLedger, LossScaling, StrategyState):
     """Plain training on one process; the reference every other strategy must equal."""
     name = "single"
 
@@ -283,69 +284,6 @@ class Strategy(ActivationLedger, LossScaling):
         if torch.is_tensor(out) and out.dim() == 2:  # classifier logits (B, classes)
             acc = self.reduce_mean((out.argmax(-1) == y).float().mean())
         return self.reduce_mean(loss), acc
-
-    # -- state ----------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the whole model, by its original name, on CPU (tensor-parallel
-        pieces gathered: a collective over tp)."""
-        return self._whole({k: v.detach().cpu().clone() for k, v in self.model.named_parameters()})
-
-    def _whole(self, state: dict) -> dict:
-        """Gather the tensor-parallel pieces of a by-name state (identity without tp)."""
-        return state if self.plan is None else self.plan.gather(state, self.device)
-
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    # -- the layout-free optimizer state (shardwise/checkpoint/: reshard) --------------------
-    def canonical_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer's per-parameter state by the parameter's original name, on CPU, whole:
-        element-wise states (Adam's exp_avg / exp_avg_sq, SGD's momentum_buffer) shaped like
-        the full parameter (tensor-parallel pieces gathered: a collective over tp, in
-        named_parameters order on every tp rank), scalars (Adam's step) as they are. Any
-        layout's :meth:`load_canonical_optimizer_state` takes it. Memory: a CPU copy of the
-        whole optimizer state (one gathered parameter at a time on the device)."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for name, p in self.model.named_parameters():
-            state = self.optimizer.state.get(p, {})
-            entry = {}
-            for key, v in sorted(state.items()):
-                if not torch.is_tensor(v):
-                    continue
-                if v.dim() > 0 and self.plan is not None and name in self.plan.specs:
-                    v = self.plan.gather({name: v}, self.device)[name]
-                entry[key] = v.detach().cpu().clone()
-            if entry:
-                out[name] = entry
-        return out
-
-    @torch.no_grad()
-    def load_canonical_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Set the optimizer's per-parameter state from :meth:`canonical_optimizer_state`'s
-        form (whole tensors by original name; this rank keeps its tensor-parallel piece)."""
-        for name, p in self.model.named_parameters():
-            if name not in state:
-                continue
-            entry = {}
-            for key, v in state[name].items():
-                v = self._tp_piece(name, v)
-                if v.dim() > 0:
-                    v = v.to(p.device, p.dtype if v.is_floating_point() else v.dtype)
-                entry[key] = v.clone()
-            self.optimizer.state[p] = entry
-
-    def _tp_piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's tensor-parallel piece of a whole per-parameter tensor (itself when the
-        parameter is not split, or for a scalar)."""
-        if whole.dim() == 0 or self.plan is None or name not in self.plan.specs:
-            return whole
-        from shardwise.parallel.tensor import shard_tensor
-        g = self.plan.group
-        return shard_tensor(whole, self.plan.specs[name], g.rank, g.size)
 
     def close(self) -> None:
         """Release threads, files and buffers the strategy holds (the model stays usable)."""

@@ -22,7 +22,8 @@ pp: one activation (b/m*s*h) forward and one gradient back per micro-batch per s
 (send/recv); dp: one allreduce of this rank's gradients per step (2(D-1)/D * P_rank * 4 bytes,
 bucketed), or with ZeRO-1 one reduce-scatter plus one all-gather (the same volume).
 Memory per rank: P/(T*S) parameters and gradients (S = stages; plus replicated norms), Adam
-states 2P/(T*S), or 2P/(T*S*D) with ZeRO-1; activations of <= p (1F1B) or m (GPipe) micro-batches.
+states 2P/(T*S), or 2P/(T*S*D) with ZeRO-1; activations of <= p (1F1B) or m (GPipe) micro-batches
+(schedule.py and interleaved.py / zero_bubble.py give the interleaved and ZB-H1 counts).
 
 Loss normalisation: each micro-batch's mean loss is scaled by 1/m on the last stage, gradients
 are averaged over dp, so the update equals single training on the global batch's mean loss;

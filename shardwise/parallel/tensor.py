@@ -230,6 +230,12 @@ class TensorPlan:
             self.comm.all_reduce(t, self.stages, name="grad_norm_pp")
         return t[0]
 
+    def piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This tp rank's piece of the whole tensor ``name`` (itself when not split)."""
+        if name not in self.specs:
+            return whole
+        return shard_tensor(whole, self.specs[name], self.group.rank, self.group.size)
+
     def gather(self, state: dict, device: torch.device) -> dict:
         """Each split tensor of a by-name CPU state whole (gathered on ``device``)."""
         return {n: (gather_tp(t.to(device), self.specs[n], self.comm, self.group).cpu()
