@@ -144,11 +144,43 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     world = launch.world_size(cfg)
     validate(cfg, world)
     check_ignored(cfg)
+    cfg = _resolve_model_data(cfg, args, world)   # --dataset text tokenized here, once
     check_model_names(cfg)          # --freeze / --lora-targets against the model's names
+    launch.check_restarts(cfg)      # --max-restarts needs --checkpoint-dir
+    cfg = _resume_after_restart(cfg)   # a world torchrun restarted continues from `latest`
     check_checkpoint(cfg, world)    # --checkpoint-dir / --resume (shardwise/checkpoint/checks.py)
     _check_data_files(cfg)
     _check_extras(cfg)
     return cfg, args, world
+
+
+class _FinishedBeforeRestart(Exception):
+    """A restarted world whose newest checkpoint is at the last step: nothing left to train."""
+
+
+def _resume_after_restart(cfg: Config) -> Config:
+    """In a world torchrun's agent restarted (``--max-restarts``; TORCHELASTIC_RESTART_COUNT >
+    0) with a checkpoint folder: ``train.resume`` when the folder holds a complete checkpoint
+    (the refusal of a fresh run into a used folder is for people, not for restarts), else the
+    config as it is (no save was published: the run starts over from step 0)."""
+    from shardwise import launch
+    from shardwise.checkpoint import store
+    folder = store.latest(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
+    if not launch.restart_count() or folder is None:
+        return cfg
+    step = int(store.read_meta(folder)["step"])
+    if step >= cfg.train.steps:   # a rank died after the final save
+        raise _FinishedBeforeRestart(f"restart {launch.restart_count()}: the checkpoint {folder} "
+                                     f"is at the last step ({step}); nothing left to train")
+    from dataclasses import replace
+    return replace(cfg, train=replace(cfg.train, resume=True))
+
+
+def _restart_step(cfg: Config) -> int | None:
+    """The step a restarted world resumes from (None: from scratch)."""
+    from shardwise.checkpoint import store
+    return int(store.read_meta(store.latest(cfg.train.checkpoint_dir))["step"]) \
+        if cfg.train.resume else None
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -157,6 +189,11 @@ def cmd_train(argv: list[str]) -> int:
         cfg, args, world = check_train(argv)
     except ConfigError as exc:
         return error(str(exc))
+    except _FinishedBeforeRestart as exc:
+        import os
+        if os.environ.get("RANK") == "0":
+            print(exc, flush=True)
+        return 0
     if getattr(args, "print_config", False):
         import json
         from shardwise.config import to_dict
@@ -182,11 +219,13 @@ def cmd_train(argv: list[str]) -> int:
     try:   # name the run once, here: every rank (and the schedule picture) uses the same folder
         cfg = rundir.name_run(cfg)
         folder = rundir.create(cfg)
+        _keep_tokenizer(cfg, folder)
     except ConfigError as exc:
         return error(str(exc))
     _warn_emulated(cfg)
-    if world > 1:
-        return launch.relaunch(world, ["train", *argv, "--run-name", cfg.logging.run_name], folder)
+    if world > 1 or cfg.train.max_restarts:   # restarts need torchrun's agent, even for one rank
+        return launch.relaunch(world, ["train", *argv, "--run-name", cfg.logging.run_name], folder,
+                               max_restarts=cfg.train.max_restarts)
     return _train_here(cfg, folder)
 
 
@@ -221,7 +260,7 @@ def _train_rank(cfg: Config) -> int:
     leaves with os._exit so that the backend's teardown at interpreter exit (gloo in torch 2.13
     aborts in about 1 of 8 worlds) cannot turn a finished run into a failure."""
     import os
-    from shardwise import rundir, stopping
+    from shardwise import launch, rundir, stopping
     from shardwise.runtime import init_runtime, shutdown
     from shardwise.comm.collectives import CollectiveError
     from shardwise.train import NonFiniteLoss, train
@@ -233,6 +272,9 @@ def _train_rank(cfg: Config) -> int:
         rt = init_runtime(cfg)
         if not ours:
             cfg = _agree_on_run(cfg, rt)
+        if rt.is_main and launch.restart_count():    # --max-restarts: a restarted world
+            launch.keep_attempt_metrics(rundir.path(cfg))
+            print(launch.restart_line(_restart_step(cfg)), flush=True)
         train(cfg, rt)["engine"].close()
         shutdown(rt)
     except ConfigError as exc:
@@ -246,9 +288,11 @@ def _train_rank(cfg: Config) -> int:
             code = stopping.exit_code(request.signum)
         else:
             where = f" at step {exc.step}" if exc.step else " before the first step"
+            left = launch.restarts_left()
+            then = f"torchrun restarts the world ({left} restarts left)" if left else "the run stops"
             print(f"error: rank {rt.rank if rt else '?'}: {exc.op}{where} failed ({exc}); another "
-                  f"rank stalled or died (timeout {cfg.train.collective_timeout:g} s); the run "
-                  "stops; fix: look at that rank's output above, or raise --collective-timeout "
+                  f"rank stalled or died (timeout {cfg.train.collective_timeout:g} s); {then}; "
+                  "fix: look at that rank's output above, or raise --collective-timeout "
                   "if a step can take that long", file=sys.stderr, flush=True)
             code = 1
     except BaseException as exc:
@@ -275,8 +319,10 @@ def _agree_on_run(cfg: Config, rt) -> Config:
     fixed = None
     if rt.is_main:
         try:
-            fixed = rundir.name_run(cfg)
-            rundir.create(fixed)
+            from shardwise.launch import restart_count
+            # a restarted world keeps its first attempt's --run-name folder (metrics: launch.py)
+            fixed = cfg if restart_count() and cfg.logging.run_name else rundir.name_run(cfg)
+            _keep_tokenizer(fixed, rundir.create(fixed))
             _warn_emulated(fixed)
         except ConfigError as exc:
             fixed = exc
@@ -294,6 +340,46 @@ def _warn_emulated(cfg: Config) -> None:
         print("warning: memory.mixed_precision = 'fp16' on a CPU is emulated and slow (and bf16 "
               "needs no loss scaling); use --mixed-precision bf16 on CPUs", file=sys.stderr,
               flush=True)
+
+
+def _given(args: argparse.Namespace, section: str, name: str) -> bool:
+    """Whether the person set ``section.name``: a flag, or a key in the --config file."""
+    if hasattr(args, f"{section}.{name}"):
+        return True
+    data = read_file(args.config) if getattr(args, "config", None) else {}
+    keys = data.get(section) if isinstance(data, dict) else None
+    return isinstance(keys, dict) and any(str(k).replace("-", "_") == name for k in keys)
+
+
+def _resolve_model_data(cfg: Config, args: argparse.Namespace, world: int) -> Config:
+    """Sizes known only from files, before launch: the vocabulary a Hugging Face config file
+    fixes; for --dataset text, the corpus tokenized into the token cache (once: later runs and
+    the ranks find it there) and model.vocab_size set to the tokenizer's unless given (a given
+    one that is too small is refused); a --hf-weights checkpoint's tensors against the model."""
+    from dataclasses import replace
+    from shardwise.models import configured_vocab, hf
+    from shardwise.validate import validate
+    before, given = cfg, _given(args, "model", "vocab_size")
+    fixed = configured_vocab(cfg.model)
+    if fixed is not None:
+        cfg, given = replace(cfg, model=replace(cfg.model, vocab_size=fixed)), True
+    if cfg.data.dataset == "text":
+        from shardwise.data import resolve_text
+        cfg, _ = resolve_text(cfg, given)
+    if cfg != before:
+        validate(cfg, world)       # the sizes it set (memory bounds) are checked like typed ones
+    if hf.is_hf(cfg.model.name) and cfg.model.hf_weights:
+        hf.check_weights(cfg)
+    return cfg
+
+
+def _keep_tokenizer(cfg: Config, folder: str) -> None:
+    """--dataset text with a BPE or a tokenizer file: a copy in the run directory, beside the
+    weights it was trained with."""
+    import shutil
+    from shardwise.data import tokenizer_files
+    for path in tokenizer_files(cfg):
+        shutil.copy(path, folder)
 
 
 def _check_extras(cfg: Config) -> None:

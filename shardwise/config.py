@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 STRATEGIES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "tp", "pp", "3d", "ps", "auto")
-DATASETS = ("stdlib", "digits", "mnist", "fashion-mnist", "synthetic")
+DATASETS = ("stdlib", "digits", "mnist", "fashion-mnist", "synthetic", "text")
+MODELS = ("gpt", "lenet", "hf:gpt2", "hf:llama")   # or a user's package.module:function
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, flag: str | None = None):
@@ -34,24 +35,48 @@ def flag_of(f: dataclasses.Field) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = _f("gpt", "reference model: a decoder-only transformer or seed 001's LeNet",
-                   ("gpt", "lenet"), flag="model")
+    name: str = _f("gpt", "gpt = shardwise's decoder-only transformer; lenet = seed 001's LeNet;"
+                   " hf:gpt2 / hf:llama = a Hugging Face GPT-2 / Llama built from a config (the "
+                   "size flags below, or --hf-config; never downloaded; the 'hf' extra); or "
+                   "package.module:function = your own model: the function gets the ModelConfig"
+                   " if it takes an argument (nothing otherwise) and returns an nn.Module whose "
+                   "output is logits, or a dict / ModelOutput with 'logits', or a tuple starting"
+                   " with them", MODELS, flag="model")
     n_layer: int = _f(4, "GPT: number of transformer blocks")
     n_embd: int = _f(128, "GPT: model width (hidden size)")
     n_head: int = _f(4, "GPT: attention heads; must divide n_embd (and be divisible by tp)")
     block_size: int = _f(128, "GPT: sequence length in tokens")
     vocab_size: int = _f(256, "GPT: vocabulary size (256 = byte-level tokens)")
     dropout: float = _f(0.0, "GPT: dropout probability (0 keeps runs bit-comparable)")
+    hf_config: str = _f("", "hf:gpt2 / hf:llama: a Hugging Face config.json to build the model "
+                        "from (then --n-layer, --n-embd, --n-head and --vocab-size come from the "
+                        "file); empty = built from those flags, with n_positions / "
+                        "max_position_embeddings = --block-size")
+    hf_weights: str = _f("", "hf:gpt2 / hf:llama: a local folder holding model.safetensors (or "
+                         "a sharded model.safetensors.index.json) to load after building; its "
+                         "config.json is used when --hf-config is not given")
 
 
 @dataclass(frozen=True)
 class DataConfig:
     dataset: str = _f("stdlib", "stdlib = the Python standard library's own source (bytes); digits ="
                       " scikit-learn's handwritten digits; mnist / fashion-mnist = IDX files in"
-                      " data_dir; synthetic = random tokens for benchmarks", DATASETS)
+                      " data_dir; synthetic = random tokens for benchmarks; text = your own "
+                      "UTF-8 files (--data-path, --tokenizer)", DATASETS)
     data_dir: str = _f("", "directory holding the MNIST / Fashion-MNIST IDX files (.gz or raw)")
     max_bytes: int = _f(4_000_000, "stdlib corpus: read at most this many bytes of source")
     val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
+    data_path: str = _f("", "--dataset text: your UTF-8 text, a file, a directory (every file "
+                        "below it, hidden ones left out) or a quoted glob ('books/**/*.txt'); "
+                        "files in sorted path order, the last val_fraction of the tokens held "
+                        "out for validation")
+    tokenizer: str = _f("bytes", "--dataset text: bytes (256 tokens), bpe:N (a byte-level BPE of "
+                        "N tokens trained here on the corpus, kept in the token cache and copied"
+                        " into the run directory) or the path of a local Hugging Face "
+                        "tokenizer.json / folder holding one")
+    token_cache: str = _f("", "--dataset text: folder of tokenized corpora (memory-mapped, "
+                          "written once, reused while the files are unchanged); empty = "
+                          "$SHARDWISE_CACHE/tokens or ~/.cache/shardwise/tokens")
 
 
 @dataclass(frozen=True)
@@ -142,6 +167,10 @@ class TrainConfig:
                                flag="keep")
     resume: bool = _f(False, "continue from the checkpoint --checkpoint-dir's 'latest' names "
                       "(the same layout: bit-identical; another layout or world: resharded)")
+    max_restarts: int = _f(0, "restart the whole world up to N times when a rank dies "
+                           "(torchrun's elastic agent); a restarted world resumes from "
+                           "--checkpoint-dir's latest checkpoint, or from step 0 when none was "
+                           "saved yet (needs --checkpoint-dir)")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,12 @@
 more than one, re-runs itself under ``torch.distributed.run`` (torchrun), printing the exact
 command so users learn the real thing. Under torchrun, SLURM or any launcher that sets RANK and
 WORLD_SIZE, it simply joins that world.
+
+Restarts (``--max-restarts N``): the command passes ``--max-restarts N`` to torchrun, whose
+elastic agent stops the whole world when a rank dies and starts it again, up to N times, with
+``TORCHELASTIC_RESTART_COUNT`` counting the attempts. A restarted world resumes from the newest
+complete checkpoint in ``--checkpoint-dir`` (cli.py turns the restart into ``--resume``), or
+starts over from step 0 when none was saved yet; rank 0 says which in one line.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import threading
 import time
 
 from shardwise import stopping
-from shardwise.config import Config
+from shardwise.config import Config, ConfigError
 from shardwise.presets import SINGLE_PROCESS
 
 
@@ -55,13 +61,69 @@ def world_size(cfg: Config) -> int:
     return local_world_size(cfg)
 
 
-def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    """The torchrun command that runs ``shardwise <argv>`` on ``nproc`` local processes."""
+def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list[str]:
+    """The torchrun command that runs ``shardwise <argv>`` on ``nproc`` local processes
+    (restarting the whole world up to ``max_restarts`` times when a rank dies)."""
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(nproc), "-m", "shardwise.cli", *argv]
+            "--nproc-per-node", str(nproc), *restarts, "-m", "shardwise.cli", *argv]
 
 
-def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False) -> int:
+def restart_count() -> int:
+    """How many times torchrun's elastic agent has restarted this world (0: the first start,
+    or no torchrun at all)."""
+    if not under_launcher():
+        return 0
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def restarts_left() -> int:
+    """How many more times torchrun's agent will restart this world after a failure."""
+    if not under_launcher():
+        return 0
+    return max(0, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) - restart_count())
+
+
+def check_restarts(cfg: Config) -> None:
+    """``train.max_restarts`` refusals, before any process starts (ConfigError: one line)."""
+    n = cfg.train.max_restarts
+    if n < 0:
+        raise ConfigError("train.max_restarts", n, "is negative",
+                          "give 0 (a dead rank ends the run) or a number of restarts")
+    if n and not cfg.train.checkpoint_dir:
+        raise ConfigError("train.max_restarts", n, "a restarted world resumes from the last "
+                          "checkpoint, and without --checkpoint-dir nothing is saved to resume "
+                          "from", "add --checkpoint-dir DIR (and --checkpoint-every N)")
+    agent = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+    if n and under_launcher() and agent != str(n):
+        raise ConfigError("train.max_restarts", n, "under a launcher that shardwise did not "
+                          "start, that launcher decides about restarts "
+                          f"(torchrun --max-restarts: {agent or 'not torchrun'})",
+                          "pass --max-restarts to torchrun itself (a restarted world resumes "
+                          "from --checkpoint-dir on its own) and drop it here")
+
+
+def restart_line(step: int | None) -> str:
+    """Rank 0's one line in a restarted world: from which step it continues."""
+    where = f"resuming from step {step}" if step is not None else \
+        "no checkpoint was saved yet; starting over from step 0"
+    total = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    return f"restart {restart_count()} of {total}: {where}"
+
+
+def keep_attempt_metrics(run_dir: str) -> None:
+    """Rank 0 of a restarted world: the earlier attempt's metrics files are renamed
+    (``metrics-attempt0.jsonl``) so that the new attempt's do not write over them."""
+    earlier = restart_count() - 1
+    for name in ("metrics.jsonl", "metrics.csv"):
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            stem, ext = os.path.splitext(name)
+            os.replace(path, os.path.join(run_dir, f"{stem}-attempt{earlier}{ext}"))
+
+
+def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False,
+             max_restarts: int = 0) -> int:
     """Run ourselves under torchrun; return its exit code (128 + N after a stop by signal N).
 
     torchrun and the ranks run in a process group of their own, so a terminal's Ctrl-C reaches
@@ -71,8 +133,12 @@ def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False) -> 
     a non-finite loss), so a stopped rank cannot keep the job alive. Their stderr passes through this process
     live; once a stop has begun it goes to ``<run_dir>/launcher.log`` instead, so the person sees
     one line, not every rank's goodbye. stdout is not touched (the progress bar keeps its terminal).
+
+    With ``max_restarts``, a rank's ``error:`` line (its peer died) does not end the job:
+    torchrun's agent restarts the world, or fails it once the restarts are spent, and stderr
+    keeps passing through, so the person sees each failure and the agent's restart notice.
     """
-    cmd = torchrun_command(nproc, argv)
+    cmd = torchrun_command(nproc, argv, max_restarts)
     if not quiet:
         shown = ["torchrun", *cmd[3:]]
         print("launching:", " ".join(shlex.quote(c) for c in shown), flush=True)
@@ -80,9 +146,16 @@ def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False) -> 
     env.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per rank: ranks share the cores
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["SHARDWISE_RUN_DIR"] = run_dir       # the ranks' run directory is prepared already
+    if max_restarts:
+        # torchrun shares its rendezvous store with the ranks by default, and a restarted
+        # world then reads the dead world's addresses from it: gloo's connectFullMesh dials a
+        # closed port and the restart hangs or fails (pytorch/pytorch#135712; seen here about
+        # one restart in two). With sharing off, each attempt's rank 0 serves a fresh store.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=stopping.die_with_parent)
-    relay = _StderrRelay(proc.stderr, os.path.join(run_dir, "launcher.log"))
+    relay = _StderrRelay(proc.stderr, os.path.join(run_dir, "launcher.log"),
+                         divert_on_error=not max_restarts)
     got: list[int] = []
 
     def forward(signum, frame):
@@ -101,7 +174,7 @@ def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False) -> 
                 # a stop, or a rank that ended the run with an error line: the rest get
                 # GRACE_SECONDS to leave, then torchrun is killed, and with it (parent-death
                 # signal) every rank, a stopped (SIGSTOP) one too
-                if deadline is None and (got or relay.error_seen):
+                if deadline is None and (got or (relay.error_seen and not max_restarts)):
                     deadline = time.monotonic() + stopping.GRACE_SECONDS
                 if deadline is not None and time.monotonic() > deadline:
                     _signal_group(proc, signal.SIGKILL)
@@ -130,8 +203,9 @@ class _StderrRelay:
     goodbyes) is diverted too, so that line is the last thing the person reads. A traceback
     (an unexpected crash) is not such a line and passes through whole."""
 
-    def __init__(self, pipe, log_path: str):
+    def __init__(self, pipe, log_path: str, divert_on_error: bool = True):
         self.pipe, self.log_path, self._log = pipe, log_path, None
+        self.divert_on_error = divert_on_error
         self.error_seen = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -161,7 +235,8 @@ class _StderrRelay:
                     sys.stderr.buffer.flush()
                     if (b"\n" + chunk).find(b"\nerror: ") >= 0:
                         self.error_seen = True
-                        self.divert()
+                        if self.divert_on_error:
+                            self.divert()
             except (OSError, ValueError):
                 pass
 

@@ -43,6 +43,8 @@ from shardwise.runlog import RunLog, Window, strict_tree
 from shardwise.runtime import Runtime, init_runtime
 from shardwise.stopping import Stopped
 
+IMAGE_SETS = ("digits", "mnist", "fashion-mnist")    # the other datasets are token streams
+
 
 class NonFiniteLoss(RuntimeError):
     """The global batch's loss was nan or infinite: training cannot recover, so it stops."""
@@ -220,7 +222,8 @@ def _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, pe
         "strategy": cfg.parallel.strategy, "layout": describe(cfg),
         "world_size": rt.world_size, "steps": steps,
         "losses": losses, "final_loss": losses[-1], "val_loss": val[0], "val_accuracy": val[1],
-        "throughput": rate, "throughput_unit": "tokens" if cfg.model.name == "gpt" else "samples",
+        "throughput": rate,
+        "throughput_unit": "samples" if cfg.data.dataset in IMAGE_SETS else "tokens",
         "mfu": (rate * flops_per_item / (peak * rt.world_size)) if (peak and flops_per_item) else None,
         "wall_seconds": wall,
         "peak_memory_per_rank": _per_rank(rt, peak_memory_bytes(rt.device)),

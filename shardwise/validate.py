@@ -21,15 +21,21 @@ from shardwise.config import (Config, ConfigError, MemoryConfig, ModelConfig, Pa
 
 from shardwise.presets import SINGLE_PROCESS, resolve_dp  # noqa: F401 (re-exported)
 from shardwise.parallel.pipeline import checks as pipeline_checks
+from shardwise.models import hf as hf_model
+from shardwise.models import user as user_model
 
 
 def _choices(cfg: Config) -> None:
     for sec, f in section_fields():
         choices = f.metadata.get("choices")
         value = getattr(getattr(cfg, sec), f.name)
+        if sec == "model" and f.name == "name" and isinstance(value, str) and \
+                user_model.is_user(value):
+            continue          # package.module:function: checked by _model
         if choices and value not in choices:
+            also = " or package.module:function" if (sec, f.name) == ("model", "name") else ""
             raise ConfigError(f"{sec}.{f.name}", value, "not a known choice",
-                              f"choose one of {', '.join(choices)}")
+                              f"choose one of {', '.join(choices)}{also}")
 
 
 INT_LIMIT = 2**63          # torch and numpy index with int64: no int setting reaches this
@@ -125,18 +131,49 @@ def _model(cfg: Config) -> None:
     if m.name == "gpt" and m.n_embd % m.n_head:
         raise ConfigError("model.n_head", m.n_head, f"does not divide n_embd={m.n_embd}",
                           "pick n_head so that n_embd / n_head is whole")
-    if m.name == "gpt" and cfg.data.dataset == "stdlib" and m.vocab_size < 256:
+    if m.name != "lenet" and cfg.data.dataset == "stdlib" and m.vocab_size < 256:
         raise ConfigError("model.vocab_size", m.vocab_size, "the stdlib corpus is byte tokens "
                           "(0-255)", "use --vocab-size 256 or more")
-    if m.name == "lenet" and cfg.data.dataset in ("stdlib", "synthetic"):
+    if m.name == "lenet" and cfg.data.dataset in ("stdlib", "synthetic", "text"):
         raise ConfigError("data.dataset", cfg.data.dataset, "LeNet needs an image data set",
                           "use --dataset digits, mnist or fashion-mnist")
-    if m.name == "gpt" and cfg.data.dataset in ("digits", "mnist", "fashion-mnist"):
-        raise ConfigError("data.dataset", cfg.data.dataset, "the GPT needs a token corpus",
-                          "use --model lenet for images, or --dataset stdlib")
+    if m.name in ("gpt",) + tuple(hf_model.FAMILIES) and cfg.data.dataset in (
+            "digits", "mnist", "fashion-mnist"):
+        raise ConfigError("data.dataset", cfg.data.dataset, f"{m.name} needs a token corpus",
+                          "use --model lenet for images, or --dataset stdlib or text")
     if m.name == "lenet" and cfg.memory.activation_checkpointing:
         raise ConfigError("memory.activation_checkpointing", True, "LeNet has no transformer blocks",
                           "drop --activation-checkpointing, or train the GPT")
+    _foreign_model(cfg)
+
+
+def _foreign_model(cfg: Config) -> None:
+    """Hugging Face and a person's own models (shardwise/models/hf.py, user.py): their own
+    checks, the settings only they read, and the layouts that know only shardwise's GPT."""
+    m = cfg.model
+    if hf_model.is_hf(m.name):
+        hf_model.check(cfg)
+    elif user_model.is_user(m.name):
+        user_model.resolve(m.name)
+    for name in ("hf_config", "hf_weights"):
+        if getattr(m, name) and not hf_model.is_hf(m.name):
+            raise ConfigError(f"model.{name}", getattr(m, name), f"only hf:gpt2 / hf:llama read "
+                              f"it (the model is {m.name})", f"drop --{name.replace('_', '-')}, "
+                              "or use --model hf:gpt2 or hf:llama")
+    if m.name in ("gpt", "lenet"):
+        return
+    p, what = cfg.parallel, "HF models" if hf_model.is_hf(m.name) else "your own models"
+    if p.strategy in ("tp", "pp", "3d", "auto") or p.tp > 1 or p.pp > 1:
+        field, value = (("parallel.tp", p.tp) if p.tp > 1 else ("parallel.pp", p.pp)
+                        if p.pp > 1 else ("parallel.strategy", p.strategy))
+        layout_of = "the planner (auto)" if p.strategy == "auto" else "tp / pp"
+        raise ConfigError(field, value, f"{layout_of} for {what} ({m.name}) is not supported yet "
+                          "(tensor and pipeline splits know only shardwise's GPT)",
+                          "use --strategy single, ddp, zero1, zero2 or zero3")
+    if cfg.memory.activation_checkpointing:
+        raise ConfigError("memory.activation_checkpointing", True, f"not supported yet for "
+                          f"{what} ({m.name}): it wraps shardwise's GPT blocks", "drop "
+                          "--activation-checkpointing, or use --grad-accum / --zero-stage 3")
 
 
 def machine_memory_bytes() -> int | None:
@@ -162,7 +199,7 @@ def _fits_in_memory(cfg: Config, world_size: int) -> None:
     if not ram:
         return
     gib = lambda n: f"{n / 2**30:,.3g} GiB"
-    gpt = m.name == "gpt"
+    gpt = m.name == "gpt" or hf_model.is_hf(m.name)     # a decoder: the GPT's sizes bound it
     weights = 4 * (12 * m.n_layer * m.n_embd**2 + (m.vocab_size + m.block_size) * m.n_embd)
     if gpt and weights > ram:
         blown = max(("n_layer", "n_embd", "vocab_size"),
@@ -203,6 +240,47 @@ def _data(cfg: Config) -> None:
     elif d.data_dir and not os.path.isdir(d.data_dir):
         raise ConfigError("data.data_dir", d.data_dir, "no such directory",
                           "give an existing directory, or leave it empty")
+    _text_data(cfg)
+
+
+def _text_data(cfg: Config) -> None:
+    """--dataset text: a path that matches files with text in them, a tokenizer that exists.
+    (Whether the files are UTF-8 and long enough is known once they are read: the token cache,
+    before launch, shardwise/data/token_cache.py.) Its settings are refused for other data."""
+    from shardwise.config import DataConfig
+    from shardwise.data import files, tokenize
+    d, default = cfg.data, DataConfig()
+    if d.dataset != "text":
+        for name in ("data_path", "tokenizer", "token_cache"):
+            if getattr(d, name) != getattr(default, name):
+                raise ConfigError(f"data.{name}", getattr(d, name), f"only --dataset text reads "
+                                  f"it (the data set is {d.dataset})", f"drop --"
+                                  f"{name.replace('_', '-')}, or use --dataset text")
+        return
+    if not d.data_path:
+        raise ConfigError("data.data_path", d.data_path, "--dataset text needs your files",
+                          "pass --data-path FILE, DIR or a quoted glob such as 'docs/*.md'")
+    found = files.find_files(d.data_path)
+    if not found:
+        raise ConfigError("data.data_path", d.data_path, "matches no file", "give a text file, "
+                          "a directory of them, or a glob such as 'corpus/*.txt' (quoted)")
+    if sum(os.path.getsize(f) for f in found) == 0:
+        raise ConfigError("data.data_path", d.data_path, f"the corpus is empty ({len(found)} "
+                          "file(s), 0 bytes)", "give files that hold text")
+    try:
+        kind, arg = tokenize.parse_spec(d.tokenizer)
+        if kind == "path":
+            tokenize.tokenizer_file(arg)
+    except (ValueError, OSError) as exc:
+        raise ConfigError("data.tokenizer", d.tokenizer, str(exc), "use bytes, bpe:N (e.g. "
+                          "bpe:8192) or a local tokenizer.json (or a folder holding one)") from None
+    if kind != "bytes":
+        from shardwise.extras import available
+        if not available("tokenizers"):
+            raise ConfigError("data.tokenizer", d.tokenizer, "needs the 'tokenizers' package, "
+                              "which is not installed", "pip install 'shardwise[hf]'")
+    if d.token_cache:
+        _check_writable(d.token_cache, "data.token_cache")
 
 
 def _runtime_checks(cfg: Config, world_size: int) -> None:
@@ -213,7 +291,7 @@ def _runtime_checks(cfg: Config, world_size: int) -> None:
                           f"strategy {p.strategy} does not split the model",
                           "drop --strategy (the axis flags compose), or leave tp and pp at 1")
     layout.resolve(cfg)      # a preset that contradicts the axis flags or the stage
-    if m.name == "gpt":
+    if cfg.data.dataset in ("stdlib", "synthetic") and m.name != "lenet":
         smallest = (int(cfg.data.max_bytes * cfg.data.val_fraction) if cfg.data.dataset == "stdlib"
                     else (1 << 20) // 10)
         if m.block_size + 1 >= smallest:

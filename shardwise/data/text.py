@@ -1,4 +1,7 @@
-"""Byte-level token corpora: the Python standard library's own source, and synthetic tokens.
+"""Token corpora: the Python standard library's own source (bytes), synthetic tokens, and a
+person's text files (``--dataset text``: tokenized once into a memory-mapped cache by
+shardwise/data/token_cache.py, read here by :class:`MemmapTokenData`; validation is the last
+val_fraction of the tokens, :func:`split_sizes`).
 
 The stdlib corpus is read at run time from the running interpreter's ``stdlib`` directory, so it
 is on every machine with no download. Files are taken in sorted path order (site-packages left
@@ -7,6 +10,7 @@ out); every ``round(1/val_fraction)``-th file goes to validation, the rest to tr
 """
 from __future__ import annotations
 
+import math
 import os
 import sysconfig
 
@@ -89,3 +93,29 @@ def synthetic_tokens(block_size: int, seed: int, vocab_size: int, n_tokens: int 
     g = step_generator(seed, 0, stream=3)
     data = torch.randint(0, vocab_size, (n_tokens,), generator=g, dtype=torch.long)
     return TokenData(data[: n_tokens * 9 // 10], data[n_tokens * 9 // 10:], block_size, seed)
+
+
+class MemmapTokenData(TokenData):
+    """TokenData over memory-mapped numpy arrays (any unsigned dtype): a batch reads only its
+    own B x (T + 1) tokens from the file."""
+
+    def fetch(self, starts: torch.Tensor, split: str = "train"):
+        data, T = self.splits[split], self.block_size
+        offsets = starts.numpy()[:, None] + np.arange(T + 1)      # (b, T+1)
+        chunk = torch.from_numpy(data[offsets].astype(np.int64))
+        return chunk[:, :-1], chunk[:, 1:]                       # x, y: (b, T)
+
+
+def split_sizes(n_tokens: int, block_size: int, val_fraction: float) -> tuple[int, int]:
+    """(train, val) token counts of a text corpus: validation is the last
+    ceil(val_fraction x n) tokens, at least block_size + 2 (one window and its target); the
+    rest, before it, is training. The two never overlap (a window never crosses the cut)."""
+    n_val = max(math.ceil(n_tokens * val_fraction), block_size + 2)
+    return n_tokens - n_val, n_val
+
+
+def text_corpus(corpus, block_size: int, seed: int, val_fraction: float) -> MemmapTokenData:
+    """A tokenized corpus (shardwise.data.token_cache.Corpus) as train / val windows."""
+    tokens = corpus.tokens()
+    n_train, _ = split_sizes(len(tokens), block_size, val_fraction)
+    return MemmapTokenData(tokens[:n_train], tokens[n_train:], block_size, seed)
