@@ -79,6 +79,7 @@ def _losses(path: str) -> list[float]:
 
 # on a quiet machine the run takes about 15 s (two starts of a world of 2); the limits are for
 # a loaded one, where each start of the launcher, torchrun and the ranks can take a minute
+@pytest.mark.slow   # two launcher + world start-ups (~40 s quiet, 110 s loaded): pytest -m slow
 @pytest.mark.timeout(420)
 def test_a_killed_rank_restarts_the_world_and_ends_like_an_uninterrupted_run(tmp_path):
     from safetensors.torch import load_file

@@ -189,6 +189,7 @@ def test_mixed_precision_trains_with_fp32_masters(world2, tag, low):
     assert r["ledger"]["master_weights"] == 4 * r["padded"] // 2
 
 
+@pytest.mark.slow   # world 4 of every stage runs in CI on HF GPT-2 (test_zero_hf.py); -m slow
 def test_each_stage_equals_single_world4(reference):
     runs = [(s, _cfg(s)) for s in ("zero1", "zero2", "zero3")]
     res = run_world(_train_many, 4, runs, timeout=240)[0]
