@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from shardwise.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig
 from shardwise.runtime import init_runtime
 from shardwise.train import train
@@ -46,3 +48,19 @@ def single_run(cfg: Config) -> tuple[list[float], dict]:
 #   gradient is near zero turns reordering noise into an update of up to lr; 1e-5 is 0.1% of one
 #   step at tiny_config's lr 1e-2 — any real error (a wrong shard, a missing average) is >= 1e-3.
 RTOL, ATOL = 1e-5, 1e-5
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def assert_overflow_step_skipped(r: dict, inject: int) -> None:
+    """An fp16 run whose gradient was poisoned at step ``inject``: ``r["params"]`` holds the
+    parameters after every step. That step left them bit-identical, the clean steps around it
+    moved them, and everything stayed finite."""
+    p = r["params"]
+    assert _same(p[inject - 1], p[inject])                   # the poisoned step: skipped
+    assert not _same(p[inject - 2], p[inject - 1])           # a clean step moved them
+    assert not _same(p[inject], p[inject + 1])               # and training goes on
+    assert all(torch.isfinite(t).all() for t in p[-1].values())
+    assert all(torch.isfinite(torch.tensor(r["losses"])))
