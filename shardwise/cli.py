@@ -18,8 +18,7 @@ commands:
   train   train a model with a parallel strategy ('shardwise train' alone: the default job,
           a small GPT on the Python standard library's source, DDP on 2 processes)
   plan    rank parallel layouts for a model on a cluster with the cost model
-  bench   run benchmark rows against their PyTorch peers (from a source checkout;
-          see benchmarks/README.md)
+  bench   run benchmark rows against their PyTorch peers (shardwise/bench/README.md)
   checkpoint inspect D | export D --out model.safetensors
           what a saved checkpoint holds; the plain model's weights as safetensors
 
@@ -412,21 +411,8 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """benchmarks/ lives beside shardwise/ in a source checkout (an editable install finds it
-    from anywhere; a checkout's working directory works too); a wheel does not ship it."""
-    import os
-    import shardwise
-    here = os.path.dirname(os.path.dirname(os.path.abspath(shardwise.__file__)))
-    for root in (here, os.getcwd()):
-        if os.path.isfile(os.path.join(root, "benchmarks", "run.py")) and root not in sys.path:
-            sys.path.insert(0, root)
-            break
-    try:
-        from benchmarks.run import main as bench_main
-    except ImportError:
-        return error("'shardwise bench' needs a source checkout (benchmarks/ is not in the "
-                     "installed package); fix: git clone the repository, 'pip install -e .' "
-                     "there, and run 'shardwise bench' again")
+    """The benchmark matrix (shardwise/bench/), part of the installed package."""
+    from shardwise.bench.run import main as bench_main
     return bench_main(argv)
 
 

@@ -31,6 +31,12 @@ def under_launcher() -> bool:
 
 
 def gpu_count() -> int:
+    """CUDA devices this process sees. On a machine with no NVIDIA device node (every CPU-only
+    machine) that is 0 without importing torch, so the launcher checks flags in a fraction of a
+    second; elsewhere torch counts them."""
+    import glob
+    if not glob.glob("/dev/nvidia[0-9]*") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return 0
     try:
         import torch
         return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -12,6 +12,14 @@ train.py drives it: ``plan_resume`` -> ``restore_model`` (reshard: into the plai
 ``prepare`` -> ``restore`` -> the loop, with ``save`` every ``train.checkpoint_every`` steps, at
 the end, and on a stop.
 """
-from shardwise.checkpoint.state import ResumePlan, plan_resume, restore, restore_model, save
 
 __all__ = ["ResumePlan", "plan_resume", "restore", "restore_model", "save"]
+
+
+def __getattr__(name: str):
+    """``checkpoint.save`` and the others, from state.py on first use: the package itself (store,
+    checks) is imported by the launcher, which must not pay torch's import to check flags."""
+    if name in __all__:
+        from shardwise.checkpoint import state
+        return getattr(state, name)
+    raise AttributeError(f"module 'shardwise.checkpoint' has no attribute {name!r}")

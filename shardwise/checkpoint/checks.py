@@ -2,8 +2,7 @@
 each rank): each refusal is one ConfigError line naming the field, the value and the fix."""
 from __future__ import annotations
 
-from shardwise.checkpoint import canonical, store
-from shardwise.checkpoint.state import layout_key
+from shardwise.checkpoint import store
 from shardwise.config import Config, ConfigError, to_dict
 from shardwise.validate import _check_writable
 
@@ -40,7 +39,10 @@ def check(cfg: Config, world_size: int) -> None:
 
 def check_resumable(cfg: Config, world_size: int, meta: dict, folder: str) -> None:
     """The checkpoint in ``folder`` loads into ``cfg``'s layout at ``world_size``: exactly (the
-    same layout key) or resharded (both layouts have the layout-free optimizer state)."""
+    same layout key) or resharded (both layouts have the layout-free optimizer state). Imports
+    torch (through state / canonical) only here: a run without --resume starts without it."""
+    from shardwise.checkpoint import canonical
+    from shardwise.checkpoint.state import layout_key
     step = int(meta["step"])
     if step >= cfg.train.steps:
         raise ConfigError("train.steps", cfg.train.steps, f"the checkpoint {folder} is at step "

@@ -9,6 +9,9 @@ writes ``.metadata`` and every rank returns only after it has, so when ``save`` 
 rank the folder is complete. Load fills a template in place: tensors are copied into the given
 tensors (any size DCP can cut from the stored chunks), a ``BytesIO`` (or any non-tensor) value
 is replaced by what was stored.
+
+DCP is imported on first use, not with this module: its import (DTensor and its op tables)
+takes seconds, and a run that never saves or resumes should not pay it in every rank.
 """
 from __future__ import annotations
 
@@ -16,15 +19,13 @@ import io
 import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardwise.comm.collectives import Group
 
 
 def save(state: dict, folder: str, group: Group) -> None:
     """Write ``state`` (a flat dict of tensors and objects) into ``folder`` from every rank."""
+    import torch.distributed.checkpoint as dcp
     if group.pg is None:
         with warnings.catch_warnings():     # "assuming ... a single process": it is one
             warnings.simplefilter("ignore", UserWarning)
@@ -36,6 +37,7 @@ def save(state: dict, folder: str, group: Group) -> None:
 def load(template: dict, folder: str, group: Group | None) -> dict:
     """Fill ``template`` (keys to read: tensors to copy into, objects to replace) from ``folder``;
     returns it. ``group`` None (or of size one): this process reads alone."""
+    import torch.distributed.checkpoint as dcp
     if group is None or group.pg is None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -47,6 +49,8 @@ def load(template: dict, folder: str, group: Group | None) -> dict:
 
 def stored(folder: str) -> dict:
     """{key: (shape, dtype)} of every stored tensor, and {key: None} of every stored object."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     meta = FileSystemReader(folder).read_metadata()
     return {k: ((tuple(v.size), v.properties.dtype) if isinstance(v, TensorStorageMetadata)
                 else None) for k, v in meta.state_dict_metadata.items()}

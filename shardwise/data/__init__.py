@@ -4,13 +4,26 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardwise.config import ConfigError
-from shardwise.data.images import ImageData, load_digits_data, load_idx_dir, read_idx, write_idx
-from shardwise.data.text import (MemmapTokenData, TokenData, split_sizes, stdlib_corpus,
-                                 synthetic_tokens, text_corpus)
+
+# The sources (images.py, text.py) import torch; they load on first use (``__getattr__`` below),
+# so the launcher's checks of --dataset text (files.py, tokenize.py, token_cache.py) run without it.
+_LAZY = {"images": ("ImageData", "load_digits_data", "load_idx_dir", "read_idx", "write_idx"),
+         "text": ("MemmapTokenData", "TokenData", "split_sizes", "stdlib_corpus",
+                  "synthetic_tokens", "text_corpus")}
+
+
+def __getattr__(name: str):
+    import importlib
+    for module, names in _LAZY.items():
+        if name in names:
+            return getattr(importlib.import_module(f"shardwise.data.{module}"), name)
+    raise AttributeError(f"module 'shardwise.data' has no attribute {name!r}")
 
 
 def build_data(cfg):
     """The data source a Config asks for (cfg: shardwise.config.Config)."""
+    from shardwise.data.images import load_digits_data, load_idx_dir
+    from shardwise.data.text import stdlib_corpus, synthetic_tokens, text_corpus
     d, m, seed = cfg.data, cfg.model, cfg.train.seed
     if d.dataset == "stdlib":
         return stdlib_corpus(m.block_size, seed, d.max_bytes, d.val_fraction)
@@ -38,6 +51,7 @@ def check_corpus(cfg, corpus, check_vocab: bool | None = None) -> None:
     """Refuse a corpus too short for two splits of one window each, and (unless the model's
     architecture comes from a file: --hf-config / --hf-weights) a model vocabulary smaller
     than the tokenizer's."""
+    from shardwise.data.text import split_sizes
     m, d = cfg.model, cfg.data
     n_train, n_val = split_sizes(corpus.n_tokens, m.block_size, d.val_fraction)
     if n_train < m.block_size + 2:

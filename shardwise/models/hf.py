@@ -25,8 +25,10 @@ import json
 import math
 import os
 
-import torch
-import torch.nn as nn
+import typing
+
+if typing.TYPE_CHECKING:   # torch is imported where a model is built: the launcher's checks
+    import torch.nn as nn   # of names and sizes do not pay its import
 
 from shardwise.config import ConfigError
 
@@ -233,12 +235,14 @@ def check_weights(cfg) -> None:
     for f in weight_files(m.hf_weights):
         with safe_open(f, "pt") as fh:
             shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+    import torch
     with torch.device("meta"):
         model = build(m)
     _plan(model, m.hf_weights, shapes)
 
 
 def load_weights(model: nn.Module, folder: str) -> None:
+    import torch
     from safetensors.torch import load_file
     tensors = {}
     for f in weight_files(folder):

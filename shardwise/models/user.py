@@ -18,7 +18,6 @@ import os
 import re
 import sys
 
-import torch.nn as nn
 
 from shardwise.config import ConfigError
 
@@ -78,8 +77,9 @@ def _takes_config(fn, name: str) -> bool:
     return bool(required)
 
 
-def build(m) -> nn.Module:
+def build(m):
     """Call the person's function (with ``m`` when it takes an argument); check the result."""
+    import torch.nn as nn
     fn = resolve(m.name)
     model = fn(m) if _takes_config(fn, m.name) else fn()
     if not isinstance(model, nn.Module):

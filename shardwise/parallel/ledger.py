@@ -17,7 +17,7 @@ Adding the marks over-reads. So every change of a transient (an activation saved
 accounted by ZeroLedger._alloc) also checks whether activations + transient buffers alive *now*
 exceed the largest such sum so far, and keeps that instant's split. ``memory_at_peak()`` is the
 ledger with the transient categories replaced by their values at that instant: what the rank
-held at its peak, which benchmarks/memory.py compares with the measured peak resident memory.
+held at its peak, which shardwise/bench/memory.py compares with the measured peak resident memory.
 Gradients that come and go within a step (ZeRO-2/3 free their shards after the step and
 allocate each at its first reduce-scatter) are sampled the same way. The persistent categories
 (parameters, DDP's and ZeRO-1's gradient buckets, optimizer states, masters) are read at the end; from the second step on they hold through every instant, and the sampled forwards

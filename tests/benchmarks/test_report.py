@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.report import load, write_report
+from shardwise.bench.report import load, write_report
 
 
 def _row(name, ours_runs, peer_runs, rss_ours, rss_peer):

@@ -15,7 +15,7 @@ Transient buffers are accounted by kind, when they are allocated and freed:
 ``comm_buffers`` is the high-water mark of all kinds together (``transient_peaks()['total']``).
 ``activations_peak`` is the sum of the distinct storages autograd saved for backward in one
 forward (parameters and views of them excluded). The ledger is what this rank's training state
-costs: with malloc returning freed memory (benchmarks/memory.py) the measured peak resident
+costs: with malloc returning freed memory (shardwise/bench/memory.py) the measured peak resident
 memory minus the resident memory after ``import torch`` should come within a few percent of it.
 """
 from __future__ import annotations

@@ -31,7 +31,7 @@ whole units gathered (the one in use and one prefetched; the root unit besides, 
 parameters), one whole-size gradient buffer in backward (and a 1/N temporary when it is added
 to an accumulated shard; zero_grads.py allows two buffers), and on gloo the backend's
 whole-size copy of each collective in flight (zero_ledger.py). Measured at 57M parameters
-(benchmarks/memory.py): an asynchronous reduce-scatter kept its buffer and gloo's copy alive
+(shardwise/bench/memory.py): an asynchronous reduce-scatter kept its buffer and gloo's copy alive
 through the next unit's backward, beside that unit, the prefetched one and its filling buffer
 (peak 1.08x FSDP2's); blocking it (the prefetch still overlaps) brought it to 1.0x. Traffic per
 step: 3(N-1)/N K (two all-gathers and one reduce-scatter), 1.5x DDP. With ``overlap`` off nothing

@@ -4,7 +4,7 @@
 Throughput is tokens/s of the whole run (steps x global batch / wall time of the loop), since the
 median step of an async run says little. ``extra`` keeps the loss curve (the ps's mean of the
 workers' losses), the staleness records' summary and the traffic per step at the busiest ps
-task, next to the allreduce formula 2(N-1)/N*K per worker. Plot: benchmarks/plot_ps.py.
+task, next to the allreduce formula 2(N-1)/N*K per worker. Plot: shardwise/bench/plot_ps.py.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from benchmarks.harness import Row, gpt_bench_config, threads_for
+from shardwise.bench.harness import Row, gpt_bench_config, threads_for
 
 STEPS = 20
 BENCH = {"data": {"dataset": "stdlib", "max_bytes": 1_000_000},

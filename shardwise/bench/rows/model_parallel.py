@@ -1,15 +1,15 @@
 """Model-parallel rows: shardwise's pipeline against torch.distributed.pipelining (GPipe, 1F1B),
 shardwise's tensor parallel against DTensor tensor parallel, and the measured bubble against
 (p-1)/(m+p-1) for p = 2, 4 and m = 1, 2, 4, 8 (an ours-only row whose ``extra`` is the table).
-Same benchmark GPT (benchmarks.harness.gpt_bench_config), same world (2), same run."""
+Same benchmark GPT (shardwise.bench.harness.gpt_bench_config), same world (2), same run."""
 from __future__ import annotations
 
 import statistics
 
 import torch
 
-from benchmarks.harness import Row, gpt_bench_config, threads_for, timed_steps
-from benchmarks.peers import ours_tokens_per_s
+from shardwise.bench.harness import Row, gpt_bench_config, threads_for, timed_steps
+from shardwise.bench.peers import ours_tokens_per_s
 from shardwise.data import build_data
 from shardwise.models import build_model, lm_loss
 

@@ -1,11 +1,11 @@
 """Run benchmark rows: ours and the PyTorch peer alternately, medians and ratios to JSON.
 
-    python -m benchmarks.run                     # every row
-    python -m benchmarks.run single-vs-torch     # rows by name (or a family: 'foundation')
-    python -m benchmarks.run --reps 5 --list
+    python -m shardwise.bench.run                     # every row
+    python -m shardwise.bench.run single-vs-torch     # rows by name (or a family: 'foundation')
+    python -m shardwise.bench.run --reps 5 --list
 
 Results go to ``--out DIR`` (default: a fresh temporary folder, printed), one ``<row>.json``
-each, and a line per row on stdout. ``--save`` writes them to benchmarks/results/ instead, over
+each, and a line per row on stdout. ``--save`` writes them to shardwise/bench/results/ instead, over
 the committed figures; only do that from a quiet machine when you mean to update them.
 """
 from __future__ import annotations
@@ -22,17 +22,17 @@ import time
 
 import torch
 
-from benchmarks.harness import Row
+from shardwise.bench.harness import Row
 from shardwise.testing import run_world
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
 def all_rows() -> dict[str, tuple[str, Row]]:
-    import benchmarks.rows as pkg
+    import shardwise.bench.rows as pkg
     rows = {}
     for info in pkgutil.iter_modules(pkg.__path__):
-        module = importlib.import_module(f"benchmarks.rows.{info.name}")
+        module = importlib.import_module(f"shardwise.bench.rows.{info.name}")
         for row in getattr(module, "ROWS", []):
             rows[row.name] = (info.name, row)
     return rows
@@ -40,7 +40,7 @@ def all_rows() -> dict[str, tuple[str, Row]]:
 
 def _side(fn, world: int, args: dict) -> dict:
     def body(rank, n, args):
-        from benchmarks.harness import peak_rss
+        from shardwise.bench.harness import peak_rss
         out = fn(rank, n, **args)
         out["peak_rss"] = peak_rss()
         return out
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the rows and exit")
     ap.add_argument("--out", default="", help="folder for the JSON results (default: a temp dir)")
     ap.add_argument("--save", action="store_true",
-                    help="write to benchmarks/results/ (overwrites the committed figures)")
+                    help="write to shardwise/bench/results/ (overwrites the committed figures)")
     args = ap.parse_args(argv)
     rows = all_rows()
     if args.list:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row.name}: ours {result['ours']['items_per_s']:,.0f}/s"
               + (f", {row.peer_name} {result['peer_result']['items_per_s']:,.0f}/s, ratio {ratio:.3f}"
                  if ratio else "") + (f" (goal: {row.goal})" if row.goal else ""), flush=True)
-    from benchmarks.report import write_report
+    from shardwise.bench.report import write_report
     print(f"report: {write_report(out_dir)}")
     return 0
 

@@ -1,8 +1,8 @@
 """One PNG of the parameter-server rows: loss curves and throughput of sync / async / ssp (s=2)
 with worker 1 at 3x step time, next to allreduce DP with the same straggler.
 
-    python -m benchmarks.run ps --reps 3 --out DIR && python -m benchmarks.plot_ps --results DIR
-draws ps_straggler.png from DIR/ps-*.json (default: the committed benchmarks/results/) into a
+    python -m shardwise.bench.run ps --reps 3 --out DIR && python -m shardwise.bench.plot_ps --results DIR
+draws ps_straggler.png from DIR/ps-*.json (default: the committed shardwise/bench/results/) into a
 temporary folder (printed), or over the committed picture with ``--save``.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ MODES = [("sync", "ps-sync-straggler3x"), ("async", "ps-async-straggler3x"),
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.plot_ps")
+    ap = argparse.ArgumentParser(prog="python -m shardwise.bench.plot_ps")
     ap.add_argument("--results", default=RESULTS, help="folder of the ps-*.json results")
-    ap.add_argument("--save", action="store_true", help="overwrite benchmarks/results/ps_straggler.png")
+    ap.add_argument("--save", action="store_true", help="overwrite shardwise/bench/results/ps_straggler.png")
     args = ap.parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")

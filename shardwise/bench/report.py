@@ -1,6 +1,6 @@
-"""REPORT.md and charts from a folder of benchmark results (the JSON files benchmarks.run writes).
+"""REPORT.md and charts from a folder of benchmark results (the JSON files shardwise.bench.run writes).
 
-    python -m benchmarks.report DIR [--out DIR]      # default: write into DIR itself
+    python -m shardwise.bench.report DIR [--out DIR]      # default: write into DIR itself
 
 The report regenerates from the JSON alone, so a committed results folder and its report never
 disagree. It holds: the machine, date and commit; one table row per benchmark row (ours and the
@@ -159,7 +159,7 @@ def write_report(folder: str, out: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m shardwise.bench.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", help="folder of row JSON files")
     ap.add_argument("--out", default="", help="where REPORT.md and the charts go (default: results)")

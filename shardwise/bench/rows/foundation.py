@@ -1,6 +1,6 @@
 """Foundation row: shardwise's loop with the `single` strategy against a plain PyTorch loop."""
-from benchmarks.harness import Row, gpt_bench_config
-from benchmarks.peers import ours_tokens_per_s, plain_loop_tokens_per_s
+from shardwise.bench.harness import Row, gpt_bench_config
+from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s
 
 
 def ours(rank, world, steps):

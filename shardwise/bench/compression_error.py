@@ -1,6 +1,6 @@
 """The error gradient compression introduces: DDP at world 2 with fp32, bf16 and fp16 allreduce.
 
-    python -m benchmarks.compression_error [--steps 20]
+    python -m shardwise.bench.compression_error [--steps 20]
 
 Prints, for each compressed run against the fp32 run of the same config, the largest relative
 loss difference over the steps and the relative L2 distance of the final parameters.

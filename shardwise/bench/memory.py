@@ -1,8 +1,8 @@
 """Peak memory per rank of every data-parallel stage against PyTorch's own, in one run.
 
-    python -m benchmarks.memory                   # table on stdout, JSON to a temp folder
-    python -m benchmarks.memory --steps 4 --out /tmp/mem
-    python -m benchmarks.memory --save            # benchmarks/results/memory-57m.json
+    python -m shardwise.bench.memory                   # table on stdout, JSON to a temp folder
+    python -m shardwise.bench.memory --steps 4 --out /tmp/mem
+    python -m shardwise.bench.memory --save            # shardwise/bench/results/memory-57m.json
 
 The model is shardwise's GPT at 8 layers x 768 (12 heads, seq 128, byte vocabulary: 57.0M
 parameters, 228 MB in fp32), trained with AdamW in fp32 for a few steps at world 2 (global
@@ -75,14 +75,14 @@ def _rss_now() -> int:
 
 
 def _cfg(strategy: str, steps: int, batch: int):
-    from benchmarks.harness import gpt_bench_config
+    from shardwise.bench.harness import gpt_bench_config
     return gpt_bench_config(strategy, model=MODEL, train={"steps": steps, "batch_size": batch})
 
 
 def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4) -> dict:
     """Train ``kind`` for ``steps``; this rank's baseline, peak RSS, ledger and tokens/s."""
     _returning_malloc()
-    from benchmarks.harness import threads_for, timed_steps
+    from shardwise.bench.harness import threads_for, timed_steps
     from shardwise.data import build_data
     from shardwise.models import build_model, lm_loss
     threads_for(world)
@@ -253,7 +253,7 @@ def table(res: dict) -> str:
 
 
 def cli_args(prog: str, doc: str, argv: list[str] | None):
-    """The options every 57M memory benchmark takes (this one and benchmarks/techniques.py)."""
+    """The options every 57M memory benchmark takes (this one and shardwise/bench/techniques.py)."""
     ap = argparse.ArgumentParser(prog=prog, description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4)
@@ -261,13 +261,13 @@ def cli_args(prog: str, doc: str, argv: list[str] | None):
     ap.add_argument("--reps", type=int, default=1,
                     help="passes over every side, alternated (A B C .. A B C); medians reported")
     ap.add_argument("--out", default="", help="folder for the results (default: a temp dir)")
-    ap.add_argument("--save", action="store_true", help="write to benchmarks/results/")
+    ap.add_argument("--save", action="store_true", help="write to shardwise/bench/results/")
     return ap.parse_args(argv)
 
 
 def write_results(out_dir: str, name: str, args, res: dict, text: str) -> str:
     """``<out_dir>/<name>.json``: the model, the run's settings, the machine, the sides, the table."""
-    from benchmarks.run import machine
+    from shardwise.bench.run import machine
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as fh:
         json.dump({"model": MODEL, "steps": args.steps, "batch": args.batch, "world": 2,
@@ -279,8 +279,8 @@ def write_results(out_dir: str, name: str, args, res: dict, text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cli_args("python -m benchmarks.memory", __doc__, argv)
-    from benchmarks.run import results_dir
+    args = cli_args("python -m shardwise.bench.memory", __doc__, argv)
+    from shardwise.bench.run import results_dir
     res = measure(args.steps, args.batch)
     print(table(res))
     write_results(results_dir(args), "memory-57m", args, res, table(res))

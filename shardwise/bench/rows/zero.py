@@ -1,6 +1,6 @@
 """ZeRO rows: stages 1-3 against PyTorch's own sharding (FSDP2 ``fully_shard`` per block then
 the root; ``ZeroRedundancyOptimizer`` under torch DDP), disk offload against none, and peak
-memory at 57M parameters (the ``*-memory-57m-*`` rows; benchmarks/memory.py has the method and
+memory at 57M parameters (the ``*-memory-57m-*`` rows; shardwise/bench/memory.py has the method and
 the six-way table).
 
 Ours report ``peak_mem`` = the ledger's bytes held (parameters, gradients, optimizer states,
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.harness import Row, gpt_bench_config, threads_for, timed_steps
-from benchmarks.peers import ours_tokens_per_s, plain_loop_tokens_per_s
+from shardwise.bench.harness import Row, gpt_bench_config, threads_for, timed_steps
+from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s
 
 STEPS = 14
 # a bigger GPT for the offload row (13M parameters: Adam state is 50 MB per rank at N=2)
@@ -87,8 +87,8 @@ def torch_zero_redundancy(rank, world, **parallel):
 
 
 def _memory_side(kind: str, rank: int, world: int, **args) -> dict:
-    """A side of benchmarks/memory.py (57M-parameter GPT, malloc returning freed memory)."""
-    from benchmarks.memory import ledger_total, side
+    """A side of shardwise/bench/memory.py (57M-parameter GPT, malloc returning freed memory)."""
+    from shardwise.bench.memory import ledger_total, side
     out = side(rank, world, kind, **args)
     out["peak_mem"] = ledger_total(out["ledger"])
     out["extra"] = {"baseline_rss": out["baseline"], "ledger": out["ledger"]}
@@ -121,7 +121,7 @@ ROWS = [
     Row("zero3-ring-vs-fsdp2", zero3, fsdp2, world=2, args={"allreduce": "ring"}, goal=GOAL,
         peer_name=FSDP2),
     Row("zero3-vs-fsdp2-w4", zero3, fsdp2, world=4, args={}, goal=GOAL, peer_name=FSDP2),
-    # memory at 57M parameters (the whole six-way table: python -m benchmarks.memory)
+    # memory at 57M parameters (the whole six-way table: python -m shardwise.bench.memory)
     Row("zero3-memory-57m-vs-fsdp2", zero3_memory, fsdp2_memory, world=2,
         args={"steps": 4, "batch": 4}, goal="peak RSS <= 1.05x FSDP2", peer_name=FSDP2),
     Row("zero2-memory-57m-vs-torch-ddp", zero2_memory, torch_ddp_memory, world=2,

@@ -1,9 +1,9 @@
 """The planner against this machine: predicted vs measured memory per rank and step time.
 
-    python -m benchmarks.validate_planner [--steps 10] [--only ddp,zero2]
+    python -m shardwise.bench.validate_planner [--steps 10] [--only ddp,zero2]
 
 For each strategy shardwise has here (``shardwise.parallel.available()``), the benchmark GPT
-(``benchmarks.harness.gpt_bench_config``: 4 layers, width 256, seq 128, batch 8, fp32 AdamW)
+(``shardwise.bench.harness.gpt_bench_config``: 4 layers, width 256, seq 128, batch 8, fp32 AdamW)
 trains briefly in a forked gloo world (``shardwise.testing.run_world``). Rank by rank the
 strategy's ``memory_ledger()`` gives the bytes it holds by category; the fullest rank is
 compared with the planner's ``estimate()`` for the same layout (the planner also reports its
@@ -11,7 +11,7 @@ fullest device), on the Hardware that ``shardwise.autoplan.calibrate`` measures 
 size (matmul, GPT forward+backward fit, copy bandwidth, gloo allreduce). Goals (issue 7): memory
 within 10% per category, step time within 25%.
 
-Writes benchmarks/results/planner_validation.json and planner_validation.md.
+Writes shardwise/bench/results/planner_validation.json and planner_validation.md.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.harness import gpt_bench_config
+from shardwise.bench.harness import gpt_bench_config
 from shardwise import autoplan
 from shardwise.planner import Layout, estimate
 
@@ -163,11 +163,11 @@ def markdown(rows: list[dict], calibrations: dict, load: tuple) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from shardwise.parallel import available
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.validate_planner")
+    ap = argparse.ArgumentParser(prog="python -m shardwise.bench.validate_planner")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", default="", help="comma-separated strategies (default: all here)")
     ap.add_argument("--save", action="store_true",
-                    help="write to benchmarks/results/ (overwrites the committed figures); "
+                    help="write to shardwise/bench/results/ (overwrites the committed figures); "
                          "default: a temp dir, printed")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)           # calibrate with what each forked rank gets

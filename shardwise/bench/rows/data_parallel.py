@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from benchmarks.harness import Row, gpt_bench_config, threads_for
-from benchmarks.peers import ours_tokens_per_s, plain_loop_tokens_per_s, torch_ddp_tokens_per_s
+from shardwise.bench.harness import Row, gpt_bench_config, threads_for
+from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s, torch_ddp_tokens_per_s
 
 STEPS = 14
 

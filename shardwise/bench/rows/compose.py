@@ -4,7 +4,7 @@ path it replaced: one flat allreduce after the last backward (``--no-overlap`` w
 (2) shardwise's ZeRO-3 x tensor parallel (``--dp 2 --tp 2 --zero-stage 3``)
 against torchtitan's everyday 2-D layout, FSDP2 over dp on top of DTensor tensor parallel over
 tp (``parallelize_module`` then ``fully_shard`` per block and the root, one 2-D DeviceMesh).
-Same benchmark GPT (benchmarks.harness.gpt_bench_config), world 4, same run.
+Same benchmark GPT (shardwise.bench.harness.gpt_bench_config), world 4, same run.
 
 Both sides split qkv / fc column-wise and proj row-wise by heads; shardwise also splits the
 vocabulary (embedding, head, loss), which the DTensor peer keeps whole and FSDP shards."""
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.harness import Row, gpt_bench_config, threads_for, timed_steps
-from benchmarks.peers import ours_tokens_per_s
-from benchmarks.rows.model_parallel import dtensor_block
+from shardwise.bench.harness import Row, gpt_bench_config, threads_for, timed_steps
+from shardwise.bench.peers import ours_tokens_per_s
+from shardwise.bench.rows.model_parallel import dtensor_block
 from shardwise.data import build_data
 from shardwise.models import build_model, lm_loss
 

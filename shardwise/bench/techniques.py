@@ -1,9 +1,9 @@
 """Peak memory and tokens/s of each memory technique at the 57M-parameter GPT, in one run.
 
-    python -m benchmarks.techniques                  # table on stdout, JSON + PNG to a temp dir
-    python -m benchmarks.techniques --save           # benchmarks/results/techniques-57m.{json,png}
+    python -m shardwise.bench.techniques                  # table on stdout, JSON + PNG to a temp dir
+    python -m shardwise.bench.techniques --save           # shardwise/bench/results/techniques-57m.{json,png}
 
-Model, world, batch and the memory measurement are benchmarks/memory.py's (8 x 768 GPT, 57.2M
+Model, world, batch and the memory measurement are shardwise/bench/memory.py's (8 x 768 GPT, 57.2M
 parameters, world 2, global batch 4, AdamW, malloc returning freed blocks so that peak RSS tracks
 live bytes; ``peak - baseline`` is what the training state cost). Sides, each in its own fresh
 forked gloo world: DDP fp32 (the baseline), then each technique alone on DDP (freeze the first
@@ -24,7 +24,7 @@ import resource
 import statistics
 import sys
 
-from benchmarks.memory import (MODEL, MiB, _returning_malloc, _rss_now, cli_args, ledger_total,
+from shardwise.bench.memory import (MODEL, MiB, _returning_malloc, _rss_now, cli_args, ledger_total,
                                write_results)
 
 
@@ -60,7 +60,7 @@ SIDES = {
 def side(rank: int, world: int, name: str, steps: int, batch: int) -> dict:
     _returning_malloc()
     import torch
-    from benchmarks.harness import gpt_bench_config, threads_for, timed_steps
+    from shardwise.bench.harness import gpt_bench_config, threads_for, timed_steps
     from shardwise.data import build_data
     threads_for(world)
     strategy, memory, train = SIDES[name]
@@ -162,8 +162,8 @@ def chart(res: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cli_args("python -m benchmarks.techniques", __doc__, argv)
-    from benchmarks.run import results_dir
+    args = cli_args("python -m shardwise.bench.techniques", __doc__, argv)
+    from shardwise.bench.run import results_dir
     res = measure(args.steps, args.batch, args.reps)
     print(table(res))
     out_dir = results_dir(args)

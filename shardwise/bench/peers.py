@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.harness import threads_for, timed_steps
+from shardwise.bench.harness import threads_for, timed_steps
 from shardwise.data import build_data
 from shardwise.models import build_model, lm_loss
 
