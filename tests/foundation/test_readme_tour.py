@@ -3,7 +3,9 @@ an empty folder (with the repository's examples/ beside it), with fewer steps.
 
 A command passes when it exits 0 and prints no traceback. Training commands get
 ``--steps 3 --eval-every 0 --eval-batches 1`` appended (later flags win) and write their runs to
-the temporary folder.
+a folder of their own in the temporary folder. Two commands run at a time: most of a command's
+time is process start-up (the torch import of the launcher, torchrun and each rank), which leaves
+a core idle for a while; two at a time fill it.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -50,14 +53,18 @@ def test_every_tour_command_runs(tmp_path):
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env.pop("RANK", None)
-    failures = []
-    for command in tour_commands():
-        run = shortened(command, str(tmp_path / "runs"))
+
+    def run_one(i_command: tuple[int, str]) -> str | None:
+        i, command = i_command
+        run = shortened(command, str(tmp_path / "runs" / str(i)))
         done = subprocess.run(["bash", "-c", run], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=300)
+                              text=True, timeout=400)
         output = done.stdout + done.stderr
         if done.returncode != 0 or "Traceback" in output:
-            failures.append(f"$ {run}\nexit {done.returncode}\n{output[-3000:]}")
+            return f"$ {run}\nexit {done.returncode}\n{output[-3000:]}"
+        return None
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failures = [f for f in pool.map(run_one, enumerate(tour_commands())) if f]
     assert not failures, "\n\n".join(failures)
     log = (tmp_path / "train.log").read_text()
     assert re.search(r"^step 3/3 \| loss ", log, re.M), log   # log lines when not a terminal
