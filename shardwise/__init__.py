@@ -12,6 +12,8 @@ _EXPORTS = {
     "prepare": "shardwise.api", "Engine": "shardwise.api", "optimizer_factory": "shardwise.api",
     "Config": "shardwise.config", "ConfigError": "shardwise.config", "Mesh": "shardwise.mesh",
     "Runtime": "shardwise.runtime", "init_runtime": "shardwise.runtime",
+    "register_plan": "shardwise.models.plans", "ModelPlan": "shardwise.models.plans",
+    "Split": "shardwise.models.plans",
 }
 __all__ = list(_EXPORTS)
 

@@ -12,6 +12,14 @@
 or, equivalently (and the only form pipeline parallelism supports, since no single rank runs
 the whole forward), ``loss = engine.train_step(x, y)``. Run the script with torchrun; without a
 launcher it is a world of one and equals plain PyTorch.
+
+Models with several inputs: a batch is a tensor, a tuple (positional inputs) or a dict (keyword
+inputs) of tensors, rows first (shardwise/data/batch.py). With ``loss_from="loss"`` the engine
+trains on the model's own loss (a Hugging Face model given ``labels``):
+
+    engine = shardwise.prepare(hf_model, make_opt, cfg, loss_from="loss")
+    batch = engine.shard({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    loss = engine.train_step(batch)              # or: engine.backward(engine.loss(batch)); step()
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.config import Config
+from shardwise.data import batch as batches
 from shardwise.data.sampler import shard_rows
 from shardwise.layout import resolve
 from shardwise.memory.optim8bit import make_adamw8bit
@@ -45,11 +54,16 @@ def optimizer_factory(cfg: Config) -> OptimizerFactory:
     return make
 
 
+# layouts whose own loop feeds the model one tensor: several inputs / the model's loss refused
+ONE_TENSOR = {"3d": "pipeline (pp > 1; its stages pass one activation tensor)",
+              "dp": "one-process replica layout (dp)", "ps": "parameter-server layout (ps)"}
+
+
 class Engine:
     """A model and optimizer under one strategy; mirrors the plain PyTorch loop's verbs."""
 
-    def __init__(self, strategy: Strategy, runtime: Runtime):
-        self.strategy, self.runtime = strategy, runtime
+    def __init__(self, strategy: Strategy, runtime: Runtime, loss_from: str | int | None = None):
+        self.strategy, self.runtime, self.loss_from = strategy, runtime, loss_from
 
     @property
     def model(self) -> nn.Module:
@@ -71,15 +85,36 @@ class Engine:
     def meter(self):
         return self.runtime.comm.meter
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.strategy.forward(x)
+    def __call__(self, *args, **kwargs):
+        """The model's forward, as ``model(*args, **kwargs)`` (e.g. ``engine(ids,
+        attention_mask=mask)``)."""
+        return self.strategy.forward(*args, **kwargs)
 
-    def shard(self, *tensors: torch.Tensor):
-        """This process's rows of each global-batch tensor (what it must train on)."""
+    def shard(self, *batches_):
+        """This process's rows of each global batch (what it must train on): each argument a
+        tensor, a tuple or a dict of tensors whose first dimension is the batch's rows."""
         index, count = self.strategy.data_shard()
-        rows = shard_rows(tensors[0].shape[0], index, count)
-        out = tuple(t[rows].to(self.runtime.device) for t in tensors)
+        for b in batches_:
+            batches.check(b)
+        rows = shard_rows(batches.rows(batches_[0]), index, count)
+        out = tuple(batches.to(batches.take(b, rows), self.runtime.device) for b in batches_)
         return out if len(out) > 1 else out[0]
+
+    def loss(self, x, y=None) -> torch.Tensor:
+        """Forward on this rank's batch ``x`` (tensor, tuple or dict) and the loss: ``loss_fn(
+        output, y)``, or the model's own (``loss_from``; then y is None). For a loop of one's
+        own: ``engine.backward(engine.loss(batch))``."""
+        self._check(x, y, "engine.loss")
+        return self.strategy.batch_loss(x, y)
+
+    def loader(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+               collate_fn=None, num_workers: int = 0):
+        """Your own map-style Dataset in global batches of ``batch_size``, this rank's rows of
+        each, with a resumable position (state_dict / load_state_dict): shardwise/data/loader.py."""
+        from shardwise.data.loader import ShardedLoader
+        index, count = self.strategy.data_shard()
+        return ShardedLoader(dataset, batch_size, index, count, shuffle=shuffle, seed=seed,
+                             collate_fn=collate_fn, num_workers=num_workers)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.strategy.backward(loss)
@@ -96,11 +131,35 @@ class Engine:
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.strategy.no_sync()
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def train_step(self, x, y=None) -> float:
+        """One optimizer step on this rank's rows; x a tensor, a tuple (positional inputs) or
+        a dict (keyword inputs: input_ids, attention_mask, labels...) of tensors, rows first;
+        y the targets, or None with ``loss_from``. Returns the global batch's mean loss."""
+        self._check(x, y, "engine.train_step")
         return self.strategy.train_step(x, y)
 
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor):
+    def evaluate(self, x, y=None):
+        """(global mean loss, accuracy or None) on this rank's rows; no update."""
+        self._check(x, y, "engine.evaluate")
         return self.strategy.evaluate(x, y)
+
+    def _check(self, x, y, what: str) -> None:
+        """Refuse a batch this engine cannot train on, with the fix."""
+        batches.check(x, f"{what} batch")
+        batches.check(y, f"{what} target")
+        if y is not None and batches.rows(y) != batches.rows(x):
+            raise ValueError(f"{what}: the batch has {batches.rows(x)} rows and the target "
+                             f"{batches.rows(y)}; fix: give both the same rows")
+        if y is None and self.loss_from is None:
+            raise ValueError(f"{what}: no target y, and the loss function needs one; fix: pass "
+                             "y, or prepare(..., loss_from='loss') to train on the loss the "
+                             "model computes from the labels in the batch")
+        name = self.strategy.name
+        if name in ONE_TENSOR and not (batches.is_plain(x) and torch.is_tensor(y)):
+            raise ValueError(f"{what}: the {ONE_TENSOR[name]} feeds the model one input tensor "
+                             "and needs a target tensor; fix: pass train_step(x, y) with "
+                             "tensors, or the ddp / zero1-3 / tp strategies for models with "
+                             "several inputs or their own loss")
 
     def state_dict(self) -> dict:
         return self.strategy.state_dict()
@@ -117,7 +176,8 @@ class Engine:
 
 
 def prepare(model: nn.Module, optimizer_factory: OptimizerFactory, config: Config | None = None,
-            *, loss_fn: LossFn | None = None, runtime: Runtime | None = None) -> Engine:
+            *, loss_fn: LossFn | None = None, loss_from: str | int | None = None,
+            runtime: Runtime | None = None) -> Engine:
     """Wrap ``model`` for the config's layout in the launcher's world; build the optimizer.
 
     The layout is ``config.parallel``'s strategy preset, axis sizes and ``zero_stage``
@@ -129,13 +189,25 @@ def prepare(model: nn.Module, optimizer_factory: OptimizerFactory, config: Confi
     Strategies that optimise flat buffers or shards call it once on the original parameters to
     learn each one's group, then build the same optimizer type over one flat per group.
     loss_fn: (output, target) -> scalar mean loss; default cross-entropy.
+    loss_from: instead of loss_fn, train on the loss the model returns: the key of its dict /
+    ModelOutput output ("loss": Hugging Face models given ``labels``) or an index into its
+    tuple; batches then carry the labels and train_step / evaluate take no target.
     """
+    if loss_from is not None and loss_fn is not None:
+        raise ValueError("prepare: give loss_fn or loss_from, not both (loss_from uses the "
+                         "model's own loss, so loss_fn would be ignored); fix: drop one")
     cfg = resolve(config or Config())
     rt = runtime or init_runtime(cfg)
     validate(cfg, rt.world_size)
+    if loss_from is not None:
+        if rt.mesh.tp > 1:
+            raise ValueError("prepare: loss_from under tensor parallelism: the tp GPT's loss "
+                             "is the vocab-parallel cross-entropy on sharded logits, not the "
+                             "model's own; fix: drop loss_from (or use tp = 1)")
+        loss_fn = batches.loss_from(loss_from)
     strategy = parallelize(model, optimizer_factory, cfg, rt.mesh, rt.comm, rt.device,
                            loss_fn or _default_loss)
-    return Engine(strategy, rt)
+    return Engine(strategy, rt, loss_from)
 
 
 def _default_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ commands:
   bench   run benchmark rows against their PyTorch peers (shardwise/bench/README.md)
   checkpoint inspect D | export D --out model.safetensors
           what a saved checkpoint holds; the plain model's weights as safetensors
+  generate --run DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --seed S]
+          sample text from a trained run's model (gpt, hf:gpt2, hf:llama)
 
 options:
   --version   print shardwise's version and exit
@@ -461,7 +463,14 @@ def cmd_checkpoint(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "bench": cmd_bench, "checkpoint": cmd_checkpoint}
+def cmd_generate(argv: list[str]) -> int:
+    """Sample text from a trained run (shardwise/generate.py)."""
+    from shardwise import generate
+    return generate.main(argv, _OneLineParser, error)
+
+
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "bench": cmd_bench, "checkpoint": cmd_checkpoint,
+            "generate": cmd_generate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,6 +165,10 @@ class TrainConfig:
                                "0 = only at the end and on a stop")
     keep_checkpoints: int = _f(3, "keep the newest K checkpoints in --checkpoint-dir",
                                flag="keep")
+    checkpoint_async: bool = _f(False, "write the periodic checkpoints in the background "
+                                "(torch.distributed.checkpoint.async_save): training goes on "
+                                "while the files are written; 'latest' switches only once a save"
+                                " is complete; the last step's save is written at once")
     resume: bool = _f(False, "continue from the checkpoint --checkpoint-dir's 'latest' names "
                       "(the same layout: bit-identical; another layout or world: resharded)")
     max_restarts: int = _f(0, "restart the whole world up to N times when a rank dies "

@@ -8,7 +8,8 @@ terminal), writes ``metrics.jsonl`` (the mean over each logging window; shardwis
 (shardwise/stopping.py). With ``train.checkpoint_dir`` set, the loop saves a checkpoint every
 ``checkpoint_every`` steps, at the end and when stopped (the stop is taken at the next step
 boundary, after the save: checkpoint/stop.py), and ``train.resume`` continues from the latest
-one: exactly in the same layout, resharded in another (shardwise/checkpoint/). A loss that turns nan or infinite stops the loop at that step with
+one (a token run also leaves the plain model's weights as ``final.safetensors``, for ``shardwise
+generate``): exactly in the same layout, resharded in another (shardwise/checkpoint/). A loss that turns nan or infinite stops the loop at that step with
 :class:`NonFiniteLoss` (the CLI prints its one line and exits 1; the metrics so far are kept):
 the check reads the float ``train_step`` already returns every step (averaged over the data
 shards, so every rank sees the same value and all stop together), so it adds no device sync.
@@ -44,6 +45,7 @@ from shardwise.runtime import Runtime, init_runtime
 from shardwise.stopping import Stopped
 
 IMAGE_SETS = ("digits", "mnist", "fashion-mnist")    # the other datasets are token streams
+FINAL_WEIGHTS = "final.safetensors"                  # the plain model at the end (token runs)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -147,6 +149,8 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     finally:
         stop.__exit__()
         log.close()
+    if data.kind == "tokens":         # every rank: gathering a sharded model is a collective
+        _save_final(engine, out, main)
     summary = _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak,
                        time.perf_counter() - began, train_sent)
     summary["start_step"] = start
@@ -184,6 +188,18 @@ def _checkpoint(engine: Engine, cfg: Config, done: int, last: bool, saved: int,
             checkpoint.save(engine, cfg, done)
         stop.stop(signum)
     return saved
+
+
+def _save_final(engine: Engine, out: str, main: bool) -> None:
+    """``final.safetensors`` in the run directory: the plain model's parameters by name after
+    the last step (gathered from any layout), which ``shardwise generate`` samples from."""
+    from safetensors.torch import save_file
+    state = {k: v.contiguous() for k, v in engine.full_state_dict().items()}
+    if main:
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, FINAL_WEIGHTS)
+        save_file(state, path + ".tmp", metadata={"format": "pt"})
+        os.replace(path + ".tmp", path)
 
 
 def _per_rank(rt: Runtime, value) -> list:

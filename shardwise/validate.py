@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 from shardwise import layout, rundir
 from shardwise.config import (Config, ConfigError, MemoryConfig, ModelConfig, ParallelConfig,
@@ -149,7 +150,9 @@ def _model(cfg: Config) -> None:
 
 def _foreign_model(cfg: Config) -> None:
     """Hugging Face and a person's own models (shardwise/models/hf.py, user.py): their own
-    checks, the settings only they read, and the layouts that know only shardwise's GPT."""
+    checks, the settings only they read, and the layouts they cannot run: pipeline and the
+    planner for every one; tensor parallelism and activation checkpointing for a person's
+    model whose module registered no plan (shardwise/models/plans.py)."""
     m = cfg.model
     if hf_model.is_hf(m.name):
         hf_model.check(cfg)
@@ -163,17 +166,31 @@ def _foreign_model(cfg: Config) -> None:
     if m.name in ("gpt", "lenet"):
         return
     p, what = cfg.parallel, "HF models" if hf_model.is_hf(m.name) else "your own models"
-    if p.strategy in ("tp", "pp", "3d", "auto") or p.tp > 1 or p.pp > 1:
-        field, value = (("parallel.tp", p.tp) if p.tp > 1 else ("parallel.pp", p.pp)
-                        if p.pp > 1 else ("parallel.strategy", p.strategy))
-        layout_of = "the planner (auto)" if p.strategy == "auto" else "tp / pp"
+    if p.strategy in ("pp", "auto") or p.pp > 1:
+        field, value = (("parallel.pp", p.pp) if p.pp > 1 else ("parallel.strategy", p.strategy))
+        layout_of = "the planner (auto)" if p.strategy == "auto" else "pipeline parallelism"
         raise ConfigError(field, value, f"{layout_of} for {what} ({m.name}) is not supported yet "
-                          "(tensor and pipeline splits know only shardwise's GPT)",
-                          "use --strategy single, ddp, zero1, zero2 or zero3")
+                          "(the stages are cut by the model's plan, but the pipeline strategy "
+                          "still reads shardwise's GPT's width, and a tied wte / lm_head needs "
+                          "a gradient all-reduce between the first and last stage)",
+                          "use --tp 2 (with --dp and --zero-stage 0-3), or --strategy ddp, "
+                          "zero1, zero2 or zero3")
+    if hf_model.is_hf(m.name):        # their plans: shardwise/models/plans.py
+        return
+    plans = sys.modules.get("shardwise.models.plans")    # loaded if the module registered one
+    module = m.name.split(":")[0]
+    if plans is not None and module in plans.registered_modules():
+        return
+    why = (f"{m.name} has no model plan (register_plan was not called in {module})",
+           f"call shardwise.register_plan(YourModel, shardwise.ModelPlan(...)) in {module}, ")
+    if p.strategy in ("tp", "3d") or p.tp > 1:
+        field, value = (("parallel.tp", p.tp) if p.tp > 1 else ("parallel.strategy", p.strategy))
+        raise ConfigError(field, value, f"tensor parallelism splits a model by its plan; {why[0]}",
+                          why[1] + "or use --strategy single, ddp, zero1, zero2 or zero3")
     if cfg.memory.activation_checkpointing:
-        raise ConfigError("memory.activation_checkpointing", True, f"not supported yet for "
-                          f"{what} ({m.name}): it wraps shardwise's GPT blocks", "drop "
-                          "--activation-checkpointing, or use --grad-accum / --zero-stage 3")
+        raise ConfigError("memory.activation_checkpointing", True, f"checkpointing wraps the "
+                          f"blocks a model plan names; {why[0]}", why[1] + "or drop "
+                          "--activation-checkpointing")
 
 
 def machine_memory_bytes() -> int | None:

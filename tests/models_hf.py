@@ -1,6 +1,7 @@
 """Models we did not write, built small and random (never downloaded), for equivalence tests:
-a Hugging Face GPT-2 (tied lm_head / wte, dict-like ModelOutput) and a BatchNorm CNN (buffers,
-float inputs). Shared by the data-parallel test files.
+a Hugging Face GPT-2 (tied lm_head / wte, dict-like ModelOutput), a Hugging Face Llama (RMSNorm,
+rotary, grouped-query attention) and a BatchNorm CNN (buffers, float inputs). Shared by the
+data-parallel and model-parallel test files.
 """
 from __future__ import annotations
 
@@ -22,6 +23,19 @@ def tiny_gpt2(seed: int, **overrides) -> nn.Module:
                      bos_token_id=0, eos_token_id=0, **overrides)
     torch.manual_seed(seed)
     return GPT2LMHeadModel(cfg)
+
+
+def tiny_llama(seed: int, **overrides) -> nn.Module:
+    """LlamaForCausalLM: 2 layers, width 32, 4 heads over 2 key-value heads (grouped-query
+    attention), MLP 96, vocabulary 67, 16 positions, untied head, random init from ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    cfg = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=SEQ,
+               use_cache=False, tie_word_embeddings=False, attention_dropout=0.0)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides}))
 
 
 def lm_loss(out, y: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ class Row:
     goal: str = ""        # what the issue asks, in words, e.g. "ratio >= 0.98"
     peer_name: str = ""   # what the peer is, e.g. "plain PyTorch loop"
     peer_world: int | None = None   # the peer's world size when it differs (e.g. 1 process)
+    series: str = ""      # rows sharing a series differ only in world size (the scaling chart)
+    quick_args: dict = field(default_factory=dict)  # merged over args by --quick (fewer steps)
 
 
 def peak_rss() -> int:

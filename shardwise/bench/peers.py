@@ -40,9 +40,11 @@ def plain_loop_tokens_per_s(cfg, rank: int, world: int, wrap=None, steps: int = 
     return b * cfg.model.block_size / dt
 
 
-def torch_ddp_tokens_per_s(cfg, rank: int, world: int, bucket_mb: float = 25.0) -> float:
+def torch_ddp_tokens_per_s(cfg, rank: int, world: int, bucket_mb: float = 25.0,
+                           steps: int = 10) -> float:
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return plain_loop_tokens_per_s(cfg, rank, world, wrap=lambda m: DDP(m, bucket_cap_mb=bucket_mb))
+    return plain_loop_tokens_per_s(cfg, rank, world, wrap=lambda m: DDP(m, bucket_cap_mb=bucket_mb),
+                                   steps=steps)
 
 
 def ours_tokens_per_s(cfg, world: int) -> dict:

@@ -3,14 +3,12 @@
     python -m shardwise.bench.report DIR [--out DIR]      # default: write into DIR itself
 
 The report regenerates from the JSON alone, so a committed results folder and its report never
-disagree. It holds: the machine, date and commit; one table row per benchmark row (ours and the
-peer in items/s, the ratio, each side's spread over its runs, the peak resident memory of the
-largest rank on each side and its ratio, the goal); and two charts:
-
-* ``throughput.png``: ours / peer throughput per row (1.0 marked), whiskers from the two sides'
-  runs (the worst and the best pairing), so rows in different units share one axis;
-* ``memory.png``: peak resident memory of the largest rank per row, ours beside the peer's, and
-  our ledger's categories stacked beside them where the row recorded a ledger.
+disagree. It holds: the machine, date, commit and load average; one table row per benchmark row
+(ours and the peer in items/s, the ratio, each side's spread over its runs, the peak resident
+memory of the largest rank on each side and its ratio, the goal); and the charts of
+shardwise/bench/charts.py that the rows carry figures for: throughput.png, memory.png,
+traffic.png, scaling.png, busbw.png, ps.png, planner.png (the last from a
+``planner_validation.json`` in the folder). The report names the charts it could not draw.
 """
 from __future__ import annotations
 
@@ -18,11 +16,18 @@ import argparse
 import glob
 import json
 import os
-import subprocess
 import sys
 
-LEDGER_KEYS = ("parameters", "gradients", "optimizer_states", "master_weights", "comm_buffers",
-               "activations_peak")
+from shardwise.bench.charts import all_charts
+
+PLANNER = "planner_validation.json"
+CAPTIONS = {"throughput": "Throughput, ours / the PyTorch peer of each row",
+            "memory": "Peak resident memory of the largest rank, and our ledger by category",
+            "traffic": "Bytes sent per step (rank 0; ps: the busiest ps task)",
+            "scaling": "Scaling with world size (rows of one series)",
+            "busbw": "Ring allreduce against the backend's, over message sizes",
+            "ps": "Parameter server with a straggler: loss curves and throughput",
+            "planner": f"Planner prediction against measurement ({PLANNER})"}
 
 
 def load(folder: str) -> list[dict]:
@@ -40,14 +45,6 @@ def load(folder: str) -> list[dict]:
 
 def spread(values: list[float]) -> str:
     return f"{min(values):,.0f}-{max(values):,.0f}" if values else "-"
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10, cwd=os.path.dirname(__file__)).stdout.strip() or "?"
-    except (OSError, subprocess.SubprocessError):
-        return "?"
 
 
 def _mib(n) -> str:
@@ -71,87 +68,71 @@ def table(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def _bars(ax, rows, ours, peer, ours_err=None, peer_err=None, at=(0.2, -0.2), width=0.35):
-    """Horizontal bars, one pair per row (ours above the peer, offsets ``at``), top to bottom."""
-    y = [len(rows) - 1 - i for i in range(len(rows))]
-    ax.barh([v + at[0] for v in y], ours, width, label="shardwise", xerr=ours_err, capsize=2)
-    ax.barh([v + at[1] for v in y], peer, width, label="PyTorch peer", xerr=peer_err, capsize=2)
-    ax.set_yticks(y, [r["row"] for r in rows], fontsize=8)
-    return y
+def _planner(folder: str) -> dict | None:
+    path = os.path.join(folder, PLANNER)
+    try:
+        return json.load(open(path)) if os.path.exists(path) else None
+    except (OSError, ValueError):
+        return None
 
 
-def _range(values: list[float], centre: float) -> list[float]:
-    return [centre - min(values), max(values) - centre] if values else [0.0, 0.0]
+def gpu_table(gpu: dict) -> str:
+    """The single-GPU part (gpu.json of shardwise/bench/gpu.py) as a markdown table."""
+    lines = [f"Device: {gpu.get('device', '?')}; goal: {gpu.get('goal', '-')}.", "",
+             "| size | case | strategy | compiled | tokens/s | MFU | peak CUDA memory | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in gpu.get("cases", []):
+        if c.get("error"):
+            lines.append(f"| {c['size']} | {c['case']} | - | - | - | - | - | {c['error'][:80]} |")
+            continue
+        mfu = f"{100 * c['mfu']:.1f}%" if c.get("mfu") is not None else "-"
+        lines.append(f"| {c['size']} | {c['case']} | {c['strategy']} | {c['compiled']} | "
+                     f"{c['tokens_per_s']:,.0f} | {mfu} | {_mib(c.get('peak_memory'))} | |")
+    return "\n".join(lines) + "\n"
 
 
-def charts(rows: list[dict], out: str) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    paths, height = [], 0.45 * len(rows) + 1.5
-    paired = [r for r in rows if r.get("throughput_ratio")]
-    fig, ax = plt.subplots(figsize=(9, 0.4 * len(paired) + 1.5))
-    y = [len(paired) - 1 - i for i in range(len(paired))]
-    ratio = [r["throughput_ratio"] for r in paired]
-    # whiskers: the worst and best pairing of the two sides' runs
-    low = [min(r["runs"]["ours"]) / max(r["runs"]["peer"]) for r in paired]
-    high = [max(r["runs"]["ours"]) / min(r["runs"]["peer"]) for r in paired]
-    err = [[max(0.0, q - lo) for q, lo in zip(ratio, low)],
-           [max(0.0, hi - q) for q, hi in zip(ratio, high)]]
-    colours = ["C2" if q >= 1.0 else "C3" for q in ratio]
-    ax.barh(y, ratio, 0.6, xerr=err, capsize=2, color=colours)
-    ax.axvline(1.0, color="k", lw=1)
-    ax.set_yticks(y, [r["row"] for r in paired], fontsize=8)
-    for v, q in zip(y, ratio):
-        ax.text(q, v + 0.32, f"{q:.2f}", fontsize=7)
-    ax.set(xlabel="ours / PyTorch peer (median; whiskers: worst and best pairing of runs)",
-           title="throughput against the peer measured in the same run")
-    fig.tight_layout()
-    paths.append(os.path.join(out, "throughput.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(9, height * 1.3))
-    mib = 2 ** 20
-    ours_m = [(r["ours"].get("peak_rss_max_rank") or 0) / mib for r in rows]
-    peer_m = [((r.get("peer_result") or {}).get("peak_rss_max_rank") or 0) / mib for r in rows]
-    y = _bars(ax, rows, ours_m, peer_m, at=(0.28, 0.0), width=0.26)
-    ledgers = [((r["ours"].get("extra") or {}).get("ledger") or {}) for r in rows]
-    left = [0.0] * len(rows)
-    for key in LEDGER_KEYS:
-        widths = [lg.get(key, 0) / mib for lg in ledgers]
-        if any(widths):
-            ax.barh([v - 0.28 for v in y], widths, 0.26, left=left, label=f"our ledger: {key}")
-            left = [a + w for a, w in zip(left, widths)]
-    ax.set(xlabel="MiB, largest rank (measured peak RSS; ledger: bytes the strategy counts)",
-           title="peak resident memory, and our ledger by category")
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    paths.append(os.path.join(out, "memory.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-    return paths
+def _gpu(folder: str) -> dict | None:
+    path = os.path.join(folder, "gpu.json")
+    try:
+        return json.load(open(path)) if os.path.exists(path) else None
+    except (OSError, ValueError):
+        return None
 
 
 def write_report(folder: str, out: str | None = None) -> str:
     """Write REPORT.md (and the charts) for the results in ``folder``; return its path."""
     out = out or folder
     os.makedirs(out, exist_ok=True)
-    rows = load(folder)
-    if not rows:
+    rows, gpu = load(folder), _gpu(folder)
+    if not rows and not gpu:
         raise SystemExit(f"error: no benchmark results in {folder}; fix: run "
                          "'shardwise bench ROWS --out DIR' first")
-    machine = rows[0].get("machine", {})
-    pictures = charts(rows, out)
+    machine = (rows[0] if rows else gpu).get("machine", {})
+    load_avg = machine.get("load")
+    pictures = all_charts(rows, out, _planner(folder)) if rows else {}
+    reps = sorted({r.get("reps") for r in rows if r.get("reps")})
     text = [
         "# shardwise benchmark report", "",
-        f"- date: {machine.get('date', '?')}; commit: {machine.get('commit') or commit()}",
+        f"- date: {machine.get('date', '?')}; commit: {machine.get('commit') or '?'}",
         f"- machine: {machine.get('cpus', '?')} CPUs, {machine.get('processor', '?')}, "
         f"{machine.get('platform', '?')}; GPU: {machine.get('cuda') or 'none'}",
-        f"- python {machine.get('python', '?')}, torch {machine.get('torch', '?')}", "",
-        "Each row ran ours and the peer alternately in one invocation; figures are medians, "
-        "'runs' the range over repetitions; ratio = ours / peer.", "",
-        table(rows), *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pictures], ""]
+        f"- python {machine.get('python', '?')}, torch {machine.get('torch', '?')}",
+        f"- load average at the start of the first row: "
+        f"{' / '.join(map(str, load_avg)) if load_avg else '?'} (1 / 5 / 15 min)",
+        f"- {len(rows)} rows, {', '.join(map(str, reps))} alternating repetitions "
+        f"(ours, peer, ours, peer, ...)", "",
+        "Each row ran ours and the peer alternately in one invocation, each side in a fresh "
+        "process world; figures are medians, 'runs' the range over repetitions; ratio = ours / "
+        "peer (throughput: > 1 is faster; RSS: < 1 is smaller).", "",
+        table(rows) if rows else "(no CPU rows in this folder)\n"]
+    if gpu:
+        text += ["## Single GPU (shardwise/bench/gpu.py)", "", gpu_table(gpu)]
+    for name, path in pictures.items():
+        if path:
+            text += [f"## {CAPTIONS[name]}", "", f"![{name}]({os.path.basename(path)})", ""]
+    absent = [n for n, p in pictures.items() if not p]
+    if absent:
+        text += [f"Not drawn (no row in this folder carries their figures): {', '.join(absent)}.", ""]
     path = os.path.join(out, "REPORT.md")
     with open(path, "w") as fh:
         fh.write("\n".join(text))

@@ -1,16 +1,22 @@
-"""Run benchmark rows: ours and the PyTorch peer alternately, medians and ratios to JSON.
+"""Run benchmark rows: ours and the PyTorch peer alternately, medians and ratios to JSON, then
+REPORT.md and its charts (shardwise.bench.report) in the same folder.
 
-    python -m shardwise.bench.run                     # every row
-    python -m shardwise.bench.run single-vs-torch     # rows by name (or a family: 'foundation')
-    python -m shardwise.bench.run --reps 5 --list
+    shardwise bench --quick                         # one row or more per family, 2 reps (< 10 min)
+    shardwise bench                                 # every row, 3 reps
+    shardwise bench --rows 'zero3-*,ps'             # globs over row names and family names
+    shardwise bench single-vs-torch --reps 5        # rows by name (or a family: 'foundation')
+    shardwise bench --list
 
 Results go to ``--out DIR`` (default: a fresh temporary folder, printed), one ``<row>.json``
-each, and a line per row on stdout. ``--save`` writes them to shardwise/bench/results/ instead, over
-the committed figures; only do that from a quiet machine when you mean to update them.
+each, and a line per row on stdout. ``--save`` writes them to shardwise/bench/results/ instead,
+over the committed figures; only do that from a quiet machine when you mean to update them.
+On a machine with CUDA the run ends with the single-GPU part (shardwise/bench/gpu.py, family
+``gpu``); on CPU it says in one line that it skipped it.
 """
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import importlib
 import json
 import os
@@ -27,6 +33,14 @@ from shardwise.testing import run_world
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
+# --quick: every family at least once (single, ddp with world 1/2/4, zero1/2/3 and one 57M memory
+# row, tp, pp, a composed layout, the three ps modes with a straggler, the ring), 2 reps.
+QUICK = ("single-vs-torch", "ddp-vs-torch-ddp-w1", "ddp-vs-torch-ddp", "ddp-vs-torch-ddp-w4",
+         "zero1-vs-torch-zero", "zero2-vs-fsdp2", "zero3-vs-fsdp2", "zero3-memory-57m-vs-fsdp2",
+         "mp-tp-vs-dtensor", "mp-pp-1f1b-vs-torch", "compose-zero3-tp-vs-fsdp2-tp",
+         "ps-sync-straggler3x", "ps-async-straggler3x", "ps-ssp2-straggler3x", "ring-busbw-w2")
+QUICK_REPS = 2
+
 
 def all_rows() -> dict[str, tuple[str, Row]]:
     import shardwise.bench.rows as pkg
@@ -36,6 +50,17 @@ def all_rows() -> dict[str, tuple[str, Row]]:
         for row in getattr(module, "ROWS", []):
             rows[row.name] = (info.name, row)
     return rows
+
+
+def select(rows: dict[str, tuple[str, Row]], patterns: list[str]) -> tuple[list[Row], list[str]]:
+    """The rows whose name or family matches one of ``patterns`` (fnmatch globs), in listing
+    order, and the patterns that matched nothing. No patterns: every row."""
+    if not patterns:
+        return [r for _, r in rows.values()], []
+    hit = lambda pat, name, fam: fnmatch.fnmatchcase(name, pat) or fnmatch.fnmatchcase(fam, pat)
+    chosen = [r for n, (fam, r) in rows.items() if any(hit(p, n, fam) for p in patterns)]
+    unmatched = [p for p in patterns if not any(hit(p, n, f) for n, (f, _) in rows.items())]
+    return chosen, unmatched
 
 
 def _side(fn, world: int, args: dict) -> dict:
@@ -55,17 +80,37 @@ def machine() -> dict:
             "cpus": os.cpu_count(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _commit()}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(),
+            "load": [round(x, 2) for x in os.getloadavg()]}
 
 
-def _commit() -> str | None:
-    import subprocess
+def commit() -> str | None:
+    """The checkout's HEAD commit (short), read from .git's files (no git binary); None when
+    the package does not sit in a git checkout (an installed wheel)."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    while True:
+        git = os.path.join(folder, ".git")
+        if os.path.isdir(git):
+            break
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
-        return done.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+        head = open(os.path.join(git, "HEAD")).read().strip()
+        if not head.startswith("ref: "):
+            return head[:7] or None
+        ref = head[5:]
+        path = os.path.join(git, ref)
+        if os.path.exists(path):
+            return open(path).read().strip()[:7] or None
+        with open(os.path.join(git, "packed-refs")) as fh:
+            for line in fh:
+                if line.rstrip().endswith(" " + ref):
+                    return line.split()[0][:7]
+    except OSError:
+        pass
+    return None
 
 
 def _median(runs: list[dict], key: str):
@@ -73,35 +118,40 @@ def _median(runs: list[dict], key: str):
     return statistics.median(vals) if vals else None
 
 
-def run_row(row: Row, reps: int) -> dict:
+def _summary(runs: list[dict]) -> dict:
+    return {"items_per_s": _median(runs, "items_per_s"),
+            "peak_rss_max_rank": statistics.median(max(r["peak_rss_per_rank"]) for r in runs),
+            "peak_rss_per_rank": runs[-1]["peak_rss_per_rank"],
+            "peak_mem": _median(runs, "peak_mem"), "bytes_sent": _median(runs, "bytes_sent"),
+            "extra": runs[-1].get("extra")}
+
+
+def run_row(row: Row, reps: int, quick: bool = False) -> dict:
+    """``reps`` alternating runs of the row's two sides (``quick``: its quick_args too)."""
+    args = {**row.args, **row.quick_args} if quick else row.args
     ours, peer = [], []
+    t0 = time.perf_counter()
+    start = machine()
     for _ in range(reps):  # A B A B ...: drift hits both sides alike
-        ours.append(_side(row.ours, row.world, row.args))
+        ours.append(_side(row.ours, row.world, args))
         if row.peer is not None:
-            peer.append(_side(row.peer, row.peer_world or row.world, row.args))
-    out = {"row": row.name, "world": row.world, "reps": reps, "goal": row.goal,
-           "peer": row.peer_name, "args": row.args, "machine": machine(),
-           "ours": {"items_per_s": _median(ours, "items_per_s"),
-                    "peak_rss_max_rank": statistics.median(max(r["peak_rss_per_rank"]) for r in ours),
-                    "peak_mem": _median(ours, "peak_mem"), "bytes_sent": _median(ours, "bytes_sent"),
-                    "extra": ours[-1].get("extra")},
+            peer.append(_side(row.peer, row.peer_world or row.world, args))
+    out = {"row": row.name, "world": row.world, "peer_world": row.peer_world or row.world,
+           "reps": reps, "quick": quick, "goal": row.goal, "series": row.series,
+           "peer": row.peer_name, "args": args, "machine": start, "ours": _summary(ours),
            "runs": {"ours": [r["items_per_s"] for r in ours], "peer": [r["items_per_s"] for r in peer]}}
     if peer:
-        out["peer_result"] = {"items_per_s": _median(peer, "items_per_s"),
-                              "peak_rss_max_rank": statistics.median(max(r["peak_rss_per_rank"]) for r in peer),
-                              "peak_mem": _median(peer, "peak_mem"), "bytes_sent": _median(peer, "bytes_sent"),
-                              "extra": peer[-1].get("extra")}
+        out["peer_result"] = _summary(peer)
         out["throughput_ratio"] = out["ours"]["items_per_s"] / out["peer_result"]["items_per_s"]
         out["peak_rss_ratio"] = out["ours"]["peak_rss_max_rank"] / out["peer_result"]["peak_rss_max_rank"]
         if out["ours"]["peak_mem"] and out["peer_result"]["peak_mem"]:
             out["peak_mem_ratio"] = out["ours"]["peak_mem"] / out["peer_result"]["peak_mem"]
+    out["seconds"] = time.perf_counter() - t0
     return out
 
 
 def results_dir(args) -> str:
     """Where this invocation writes: --save = the committed folder, else --out or a temp dir."""
-    if args.save and args.out:
-        raise SystemExit("error: --save and --out both given; fix: use one of them")
     if args.save:
         out = RESULTS
     elif args.out:
@@ -113,37 +163,77 @@ def results_dir(args) -> str:
     return out
 
 
+def _refuse(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shardwise bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("rows", nargs="*", help="row names or families (module names); default: all")
-    ap.add_argument("--reps", type=int, default=3, help="alternating repetitions (default 3)")
+    ap.add_argument("names", nargs="*", metavar="ROW",
+                    help="row names or families (globs allowed); default: all")
+    ap.add_argument("--rows", default="", metavar="PATTERN",
+                    help="comma-separated globs over row names and family names, e.g. 'zero3-*,ps'")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a subset covering every family, {QUICK_REPS} reps (see --list)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help=f"alternating repetitions (default 3; {QUICK_REPS} with --quick)")
     ap.add_argument("--list", action="store_true", help="list the rows and exit")
-    ap.add_argument("--out", default="", help="folder for the JSON results (default: a temp dir)")
+    ap.add_argument("--out", default="", help="folder for the JSON results and REPORT.md "
+                    "(default: a fresh temp dir)")
     ap.add_argument("--save", action="store_true",
                     help="write to shardwise/bench/results/ (overwrites the committed figures)")
     args = ap.parse_args(argv)
     rows = all_rows()
     if args.list:
         for name, (family, row) in rows.items():
-            print(f"{family:14s} {name:32s} world={row.world} peer={row.peer_name or '-'} goal={row.goal}")
+            mark = " [quick]" if name in QUICK else ""
+            print(f"{family:14s} {name:32s} world={row.world} peer={row.peer_name or '-'} "
+                  f"goal={row.goal}{mark}")
+        print(f"{'gpu':14s} {'gpu-single':32s} world=1 (CUDA machines only; shardwise/bench/gpu.py)")
         return 0
-    chosen = [r for n, (fam, r) in rows.items() if not args.rows or n in args.rows or fam in args.rows]
-    unknown = [n for n in args.rows if n not in rows and n not in {f for f, _ in rows.values()}]
-    if unknown or args.reps < 1:
-        print(f"error: unknown rows {unknown}; fix: see --list" if unknown else
-              "error: --reps must be >= 1", file=sys.stderr)
-        return 2
+    if args.save and args.out:
+        return _refuse("--save and --out both given; fix: use one of them")
+    reps = args.reps if args.reps is not None else (QUICK_REPS if args.quick else 3)
+    if reps < 1:
+        return _refuse(f"--reps is {reps}, must be >= 1; fix: --reps 2")
+    patterns = list(args.names) + [p.strip() for p in args.rows.split(",") if p.strip()]
+    gpu_asked = any(fnmatch.fnmatchcase("gpu", p) or fnmatch.fnmatchcase("gpu-single", p)
+                    for p in patterns)
+    chosen, unmatched = select(rows, [p for p in patterns if p not in ("gpu", "gpu-single")])
+    if unmatched:
+        return _refuse(f"--rows: {', '.join(unmatched)} matches no row or family; "
+                       "fix: see 'shardwise bench --list'")
+    if args.quick:
+        missing = [n for n in QUICK if n not in rows]
+        if missing:
+            return _refuse(f"--quick names rows that do not exist: {missing}; fix: update "
+                           "shardwise/bench/run.py QUICK")
+        chosen = [r for r in chosen if r.name in QUICK] if patterns else [rows[n][1] for n in QUICK]
+    if patterns and not chosen and not gpu_asked:
+        return _refuse("--quick with that pattern selects no row; fix: drop --quick or widen it")
     out_dir = results_dir(args)
-    print(f"results: {out_dir}", flush=True)
+    print(f"results: {out_dir} ({len(chosen)} rows, {reps} reps, load "
+          f"{os.getloadavg()[0]:.2f})", flush=True)
+    started = time.perf_counter()
     for row in chosen:
-        result = run_row(row, args.reps)
+        result = run_row(row, reps, quick=args.quick)
         with open(os.path.join(out_dir, f"{row.name}.json"), "w") as fh:
             json.dump(result, fh, indent=2)
         ratio = result.get("throughput_ratio")
         print(f"{row.name}: ours {result['ours']['items_per_s']:,.0f}/s"
               + (f", {row.peer_name} {result['peer_result']['items_per_s']:,.0f}/s, ratio {ratio:.3f}"
-                 if ratio else "") + (f" (goal: {row.goal})" if row.goal else ""), flush=True)
+                 if ratio else "") + (f" (goal: {row.goal})" if row.goal else "")
+              + f" [{result['seconds']:.0f} s]", flush=True)
+    gpu = None
+    if not patterns or gpu_asked:
+        from shardwise.bench.gpu import run_gpu_part
+        gpu = run_gpu_part(out_dir, quick=args.quick)
+    print(f"total: {time.perf_counter() - started:.0f} s")
+    if not chosen and gpu is None:
+        print("report: none (no row ran)")
+        return 0
     from shardwise.bench.report import write_report
     print(f"report: {write_report(out_dir)}")
     return 0

@@ -16,7 +16,8 @@ def check(cfg: Config, world_size: int) -> None:
         raise ConfigError("train.keep_checkpoints", t.keep_checkpoints, "keeps nothing",
                           "use --keep 1 or more")
     if not t.checkpoint_dir:
-        for name, value in (("checkpoint_every", t.checkpoint_every), ("resume", t.resume)):
+        for name, value in (("checkpoint_every", t.checkpoint_every), ("resume", t.resume),
+                            ("checkpoint_async", t.checkpoint_async)):
             if value:
                 raise ConfigError(f"train.{name}", value, "needs a folder to save into or "
                                   "resume from", "add --checkpoint-dir DIR")

@@ -10,6 +10,10 @@ rank the folder is complete. Load fills a template in place: tensors are copied 
 tensors (any size DCP can cut from the stored chunks), a ``BytesIO`` (or any non-tensor) value
 is replaced by what was stored.
 
+Background saves (``save_async``, ``train.checkpoint_async``): DCP's ``async_save`` with its
+thread executor, over a gloo group made for it (``new_save_group``), so that its collectives in
+the writer thread never share a group with the training thread's.
+
 DCP is imported on first use, not with this module: its import (DTensor and its op tables)
 takes seconds, and a run that never saves or resumes should not pay it in every rank.
 """
@@ -32,6 +36,29 @@ def save(state: dict, folder: str, group: Group) -> None:
             dcp.save(state, checkpoint_id=folder, no_dist=True)
     else:
         dcp.save(state, checkpoint_id=folder, process_group=group.pg)
+
+
+def new_save_group(group: Group):
+    """A gloo process group of ``group``'s members for background saves, so that DCP's own
+    collectives in the writer thread never interleave with the training's on ``group`` (None for
+    a world of one). Collective over ``group``: every member calls it, once per run."""
+    if group.pg is None:
+        return None
+    import torch.distributed as dist
+    return dist.new_group(list(group.ranks), backend="gloo")
+
+
+def save_async(state: dict, folder: str, save_group):
+    """Start writing ``state`` into ``folder`` in DCP's writer thread (``async_save``: the
+    tensors are staged, copied, before it returns, so training may change the originals);
+    returns a Future that is done when this rank's part is (on the coordinator, rank 0 of the
+    group: when the whole folder is, .metadata included). ``save_group``: new_save_group's."""
+    import torch.distributed.checkpoint as dcp
+    if save_group is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return dcp.async_save(state, checkpoint_id=folder, no_dist=True)
+    return dcp.async_save(state, checkpoint_id=folder, process_group=save_group)
 
 
 def load(template: dict, folder: str, group: Group | None) -> dict:

@@ -24,7 +24,9 @@ neither is refused before launch (checks.py).
 """
 from __future__ import annotations
 
+import os
 import random
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,12 +79,42 @@ def set_rng_state(state: dict) -> None:
 def save(engine, cfg: Config, step: int) -> str:
     """Every rank: save the state after ``step`` optimizer steps into
     ``train.checkpoint_dir``/step-<step>, then (rank 0) publish it (store.publish). Collective
-    over the world. Returns the published folder."""
+    over the world. Returns the folder (published, or to be published once the background
+    write is complete: ``train.checkpoint_async`` before the last step, see :class:`AsyncSave`).
+    A background save still in flight is finished (and published) first."""
     rt, strategy = engine.runtime, engine.strategy
     world, root = rt.mesh.world, cfg.train.checkpoint_dir
+    pending = getattr(engine, "checkpoint_async", None)
+    if pending is not None:
+        pending.wait()
     if rt.is_main:
         store.begin(root, step)
     rt.comm.barrier(world)                         # the folder exists before anyone writes
+    state, tensors, reshard = _state(strategy, cfg, rt)
+    tmp = store.partial_path(root, step)
+    publish = None
+    if rt.is_main:
+        def publish() -> str:
+            meta = {"step": step, "world_size": rt.world_size,
+                    "layout": describe(resolve(cfg)), "strategy": cfg.parallel.strategy,
+                    "layout_key": layout_key(cfg, rt.world_size), "reshardable": reshard,
+                    "parameters": sum(t.numel() for t in tensors.values()),
+                    "bytes": store.folder_bytes(tmp), "config": to_dict(cfg)}
+            return store.publish(root, step, meta, cfg.train.keep_checkpoints)
+    if cfg.train.checkpoint_async and step < cfg.train.steps:
+        if pending is None:                        # once per run: a collective over the world
+            pending = engine.checkpoint_async = AsyncSave(dcp_io.new_save_group(world))
+        pending.start(state, tmp, publish)
+        return os.path.join(root, store.step_name(step))
+    dcp_io.save(state, tmp, world)                 # returns when every rank's file is written
+    folder = publish() if publish else os.path.join(root, store.step_name(step))
+    rt.comm.barrier(world)                         # published before any rank goes on
+    return folder
+
+
+def _state(strategy, cfg: Config, rt) -> tuple[dict, dict, bool]:
+    """What this rank writes (module docstring), the canonical model tensors, and whether the
+    layout-free optimizer state is in it. Collectives: the strategy's gathers."""
     state = {f"rank{rt.rank}/state": dcp_io.as_bytes({
         "strategy": strategy.state_dict(), "scaler": strategy.scaler.state_dict(),
         "rng": rng_state()})}
@@ -94,17 +126,51 @@ def save(engine, cfg: Config, step: int) -> str:
     state["common/scaler"] = dcp_io.as_bytes(strategy.scaler.state_dict())
     if rt.is_main:                                 # one rank's value per key (DCP dedups)
         state["common/rng"] = dcp_io.as_bytes(rng_state())
-    tmp = store.partial_path(root, step)
-    dcp_io.save(state, tmp, world)                 # returns when every rank's file is written
-    folder = store.step_name(step)
-    if rt.is_main:
-        meta = {"step": step, "world_size": rt.world_size, "layout": describe(resolve(cfg)),
-                "strategy": cfg.parallel.strategy, "layout_key": layout_key(cfg, rt.world_size),
-                "reshardable": reshard, "parameters": sum(t.numel() for t in tensors.values()),
-                "bytes": store.folder_bytes(tmp), "config": to_dict(cfg)}
-        folder = store.publish(root, step, meta, cfg.train.keep_checkpoints)
-    rt.comm.barrier(world)                         # published before any rank goes on
-    return folder
+    return state, tensors, reshard
+
+
+class AsyncSave:
+    """The background save of one run (``train.checkpoint_async``), kept on the engine as
+    ``engine.checkpoint_async``: at most one in flight.
+
+    DCP's ``async_save`` stages (copies) the state before it returns and writes it in its
+    writer thread; DCP's collectives there run over a gloo group of their own (made once per
+    run), never the training's. Rank 0's future is done only when every rank's file and the
+    .metadata are written, and then (in the writer thread) rank 0 publishes as a synchronous
+    save does: meta.json, rename, ``latest``. So ``latest`` names only complete checkpoints,
+    as before; a crash or kill during the write leaves the ``.partial`` folder unpublished.
+    ``wait`` (the next save does it first; so does the last step's save, written at once)
+    returns once this rank's write is done and, on rank 0, published; it raises what the
+    writer raised. Memory: the staged copy of this rank's checkpoint state while it is written."""
+
+    def __init__(self, group):
+        self.group, self.future, self.error = group, None, None
+        self.published = threading.Event()
+
+    def start(self, state: dict, folder: str, publish) -> None:
+        self.published.clear()
+        self.error = None
+        future = dcp_io.save_async(state, folder, self.group)
+        self.future = getattr(future, "upload_completion", future)
+
+        def done(f) -> None:
+            try:
+                f.result()
+                if publish is not None:
+                    publish()
+            except BaseException as exc:   # re-raised by wait, in the training thread
+                self.error = exc
+            finally:
+                self.published.set()
+        self.future.add_done_callback(done)
+
+    def wait(self) -> None:
+        if self.future is None:
+            return
+        self.published.wait()
+        self.future = None
+        if self.error is not None:
+            raise self.error
 
 
 @dataclass(frozen=True)

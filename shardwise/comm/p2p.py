@@ -13,14 +13,26 @@ no tags. Metered under ``pp_act`` (activations) and ``pp_grad`` (gradients).
 Overlap: a stage waits for what it receives (it computes on it next) but need not wait for what
 it sends; the executor leaves its sends in flight (``wait_sends=False``) and computes the next
 action while they drain, waiting for them all at the end of the step.
+
+NCCL: separate ``isend`` / ``irecv`` calls to one peer share that pair's communicator and
+stream, so two stages that each post a receive before their send wait for each other forever.
+On an NCCL group (or CUDA tensors) a batch is therefore launched as one
+``torch.distributed.batch_isend_irecv`` (NCCL groups the calls: ``ncclGroupStart/End``), whose
+Works complete together: every op of the batch waits on them all (on CUDA a wait only orders
+the current stream after the transfer; the host does not block). Gloo keeps one isend / irecv
+per op, in the order given, so its behaviour and its tests are unchanged. ``post`` is that
+launcher; the ring (comm/ring.py) uses it too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import time
 
-from shardwise.comm.collectives import Comm, Group
+import torch
+import torch.distributed as dist
+
+from shardwise.comm.collectives import Comm, Group, Work
 
 ACT, GRAD = "pp_act", "pp_grad"
 
@@ -34,22 +46,62 @@ class P2POp:
     name: str = ACT       # meter name: ACT or GRAD
 
 
+def grouped(group: Group, tensors: list[torch.Tensor]) -> bool:
+    """Whether a batch on ``group`` must be launched as one grouped call (NCCL, or CUDA data)."""
+    if any(t.is_cuda for t in tensors):
+        return True
+    return group.pg is not None and dist.get_backend(group.pg) == "nccl"
+
+
+class _Batch:
+    """The Works of one grouped launch; waiting for any op of the batch waits for them all."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self, timeout=None) -> None:
+        for w in self.works:
+            w.wait() if timeout is None else w.wait(timeout)
+        self.works = []
+
+
+def post(comm: Comm, group: Group, ops: list[P2POp]) -> list[Work]:
+    """Launch every op of the batch (contiguous tensors only: a receive fills its own tensor);
+    one Work per op, in order, each metered under its op's name."""
+    for op in ops:
+        if op.peer == group.rank:
+            raise ValueError(f"pipeline {op.kind} to itself (member {op.peer})")
+        if not op.tensor.is_contiguous():
+            raise ValueError(f"p2p {op.kind}: tensor not contiguous")
+    if not grouped(group, [op.tensor for op in ops]):
+        return [comm.isend(op.tensor, op.peer, group, name=op.name) if op.kind == "send" else
+                comm.irecv(op.tensor, op.peer, group, name=op.name) for op in ops]
+    t0 = time.perf_counter()
+    batch = _Batch(dist.batch_isend_irecv([
+        dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor,
+                   group.global_rank(op.peer), group.pg) for op in ops]))
+    seconds = (time.perf_counter() - t0) / max(1, len(ops))
+    works = []
+    for op in ops:
+        k = op.tensor.numel() * op.tensor.element_size()
+        comm.meter.record(op.name, k if op.kind == "send" else 0, k if op.kind == "recv" else 0,
+                          seconds)
+        works.append(Work(batch, comm.meter, op.name, timeout=comm.timeout))
+    return works
+
+
 def exchange(comm: Comm, group: Group, ops: list[P2POp], wait_sends: bool = True) -> list:
     """Launch every op of the batch, then wait for its receives (filled on return) and, unless
     ``wait_sends`` is False, its sends. With ``wait_sends=False`` the sends' Works are returned
     still in flight: the caller computes while they drain and waits for them (keeping their
     tensors alive) before the step ends."""
-    works, sends = [], []
-    for op in ops:
-        if op.peer == group.rank:
-            raise ValueError(f"pipeline {op.kind} to itself (member {op.peer})")
-        t = op.tensor if op.tensor.is_contiguous() else op.tensor.contiguous()
-        if op.kind == "send":
-            sends.append((comm.isend(t, op.peer, group, name=op.name), t))
-        else:
-            works.append(comm.irecv(t, op.peer, group, name=op.name))
-    for w in works:
-        w.wait()
+    ops = [op if op.kind == "recv" or op.tensor.is_contiguous() else
+           P2POp(op.kind, op.tensor.contiguous(), op.peer, op.name) for op in ops]
+    launched = list(zip(ops, post(comm, group, ops)))
+    for op, w in launched:
+        if op.kind == "recv":
+            w.wait()
+    sends = [(w, op.tensor) for op, w in launched if op.kind == "send"]
     if wait_sends:
         for w, _ in sends:
             w.wait()

@@ -15,7 +15,9 @@ Traffic per rank: 2(N-1) chunks of K/N elements each way = 2(N-1)/N * K bytes, c
 irecv), under the operation name given (default ``ring_all_reduce``). World size 1: no-op.
 
 Each step posts its receive and its send together and waits for both, so neighbours never
-block on each other. Every rank ends with bit-identical results (the allgather copies one
+block on each other. They are posted through comm/p2p.py's ``post``: on NCCL as one grouped
+``batch_isend_irecv`` (at N = 2 the left and the right neighbour are the same rank, and
+separate isend / irecv to one peer can deadlock there), on gloo one isend / irecv each. Every rank ends with bit-identical results (the allgather copies one
 reduced value), but the summation order differs from the backend's allreduce: compare with
 an fp32 tolerance (rtol 1e-5), not bitwise.
 """
@@ -26,13 +28,14 @@ import concurrent.futures as cf
 import torch
 
 from shardwise.comm.collectives import Comm, Group, Work
+from shardwise.comm.p2p import P2POp, post
 
 
 def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor, group: Group, name: str) -> None:
     """Send ``send`` right and receive ``recv`` from the left, concurrently."""
     n, r = group.size, group.rank
-    rw = comm.irecv(recv, (r - 1) % n, group, name=name)
-    sw = comm.isend(send, (r + 1) % n, group, name=name)
+    rw, sw = post(comm, group, [P2POp("recv", recv, (r - 1) % n, name),
+                                P2POp("send", send, (r + 1) % n, name)])
     sw.wait()
     rw.wait()
 
@@ -52,9 +55,12 @@ def _scatter_reduce(comm: Comm, chunks: list[torch.Tensor], group: Group, name: 
         out_c, in_c = (r - s - 1) % n, (r - s - 2) % n
         dst = chunks[in_c]
         buf = scratch[: dst.numel()]
-        recvs = [(comm.irecv(b, (r - 1) % n, group, name=name), b, d) for b, d in
-                 zip(_pieces(buf), _pieces(dst))]
-        sends = [comm.isend(p, (r + 1) % n, group, name=name) for p in _pieces(chunks[out_c])]
+        into = list(zip(_pieces(buf), _pieces(dst)))
+        outs = _pieces(chunks[out_c])
+        works = post(comm, group, [P2POp("recv", b, (r - 1) % n, name) for b, _ in into]
+                     + [P2POp("send", p, (r + 1) % n, name) for p in outs])
+        recvs = [(w, b, d) for w, (b, d) in zip(works, into)]
+        sends = works[len(into):]
         for work, piece, target in recvs:
             work.wait()
             target.add_(piece)

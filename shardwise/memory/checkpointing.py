@@ -3,7 +3,8 @@
 Memory: activations drop from O(layers x per-layer activations) to O(layers x block input) plus
 one block's activations at a time; compute: one extra forward per block (about +33% FLOPs).
 Uses torch.utils.checkpoint (non-reentrant). Knows no strategy: it wraps the ``forward`` of every
-module in ``model.blocks`` (shardwise's GPT), so it composes with tensor and pipeline splits.
+block it is given (the model's plan names them: parallel/compose.py passes them; by default
+``model.blocks``, shardwise's GPT), so it composes with tensor and pipeline splits.
 """
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 
-def apply_activation_checkpointing(model: nn.Module) -> int:
-    """Checkpoint every block of ``model.blocks``; returns how many blocks were wrapped."""
-    blocks = getattr(model, "blocks", None)
+def apply_activation_checkpointing(model: nn.Module, blocks=None) -> int:
+    """Checkpoint every module of ``blocks`` (default ``model.blocks``); returns how many blocks
+    were wrapped."""
+    blocks = getattr(model, "blocks", None) if blocks is None else blocks
     if blocks is None:
-        raise ValueError("activation checkpointing needs a model with a 'blocks' ModuleList "
-                         "(shardwise's GPT); fix: drop --activation-checkpointing for this model")
+        raise ValueError("activation checkpointing needs the model's blocks (a model plan, or a "
+                         "'blocks' ModuleList); fix: shardwise.register_plan(...) for this model,"
+                         " or drop --activation-checkpointing")
     for block in blocks:
         inner = block.forward
         block.checkpointed = True
@@ -30,7 +33,7 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
 @contextlib.contextmanager
 def checkpointing_off(model: nn.Module):
     """Run the blocks without recomputation inside (the memory report's counterfactual)."""
-    blocks = [b for b in getattr(model, "blocks", []) if getattr(b, "checkpointed", False)]
+    blocks = [b for b in model.modules() if getattr(b, "checkpointed", False)]
     for b in blocks:
         b.checkpointed = False
     try:

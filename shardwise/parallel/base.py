@@ -6,7 +6,7 @@ all through these methods:
 
     wrap(model, optimizer_factory)   take ownership of the model, build the optimizer
     data_shard() -> (index, count)   which slice of each global batch this process trains on
-    forward(x) -> output             the (possibly wrapped) model's forward
+    forward(*args, **kwargs) -> out  the (possibly wrapped) model's forward
     backward(loss)                   backward, with whatever gradient traffic the strategy needs
     step()                           finish gradient traffic, optimizer step, zero the gradients
     clip_grad_norm_(max_norm)        finish gradient traffic, scale every gradient so that the
@@ -14,7 +14,10 @@ all through these methods:
                                      norm before clipping (= torch.nn.utils.clip_grad_norm_ on
                                      the single-process model)
     train_step(x, y) -> float        one optimizer step on this process's shard of a global batch;
-                                     returns the global batch's mean loss, the same on every rank
+                                     returns the global batch's mean loss, the same on every rank;
+                                     x a tensor, a tuple (positional inputs) or a dict (keyword
+                                     inputs) of tensors, rows first (shardwise/data/batch.py);
+                                     y the targets, or None when the loss is the model's own
     evaluate(x, y) -> (loss, acc)    global mean loss (and accuracy for classifiers), no update
     full_state_dict() -> dict        the whole model's parameters by name (gathered if sharded)
     state_dict() / load_state_dict() model + optimizer, for checkpoints
@@ -27,7 +30,8 @@ Model outputs: ``forward`` returns whatever the model returns (a tensor, a dict,
 ModelOutput, a tuple). A plain tensor is cast to fp32 before the loss (mixed precision computes
 the loss in fp32); any other structure goes to ``loss_fn`` unchanged: the loss function is the
 user's and knows the structure (e.g. ``lambda out, y: F.cross_entropy(out.logits.flatten(0, 1),
-y.flatten())``).
+y.flatten())``). With ``prepare(..., loss_from="loss")`` the loss function reads the model's own
+loss from its output and the target is None (shardwise/data/batch.py: ``loss_from``).
 
 Gradient clipping (``clip_grad_norm_``, and ``train.grad_clip`` > 0 in ``train_step``) is built
 from four hooks a strategy overrides where its gradients are reduced or sharded:
@@ -56,6 +60,7 @@ import torch.nn as nn
 
 from shardwise.comm.collectives import Comm
 from shardwise.config import Config
+from shardwise.data import batch as batches
 from shardwise.memory.amp import autocast_context
 from shardwise.mesh import Mesh
 from shardwise.parallel.ledger import ActivationLedger
@@ -159,12 +164,20 @@ class Strategy(ActivationLedger, LossScaling, StrategyState):
         return self.mesh.dp_rank, self.mesh.dp
 
     # -- one step -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor):
+    def forward(self, *args, **kwargs):
+        """The model's forward on its inputs, as ``model(*args, **kwargs)``."""
         if not torch.is_grad_enabled():
             with self.autocast():
-                return self.model(x)
+                return self.model(*args, **kwargs)
         with self.autocast(), self._measure_activations():
-            return self.model(x)
+            return self.model(*args, **kwargs)
+
+    def batch_loss(self, x, y):
+        """Forward on a batch (a tensor, a tuple of positional inputs or a dict of keyword
+        inputs: shardwise/data/batch.py) and the loss on it; ``y`` is None when the loss is
+        the model's own (``prepare(..., loss_from=...)``)."""
+        out = batches.call(self.forward, batches.to(x, self.device))
+        return self.loss_fn(as_float(out), batches.to(y, self.device))
 
     def autocast(self):
         """The mixed-precision context (memory.mixed_precision) every strategy's forward uses."""
@@ -228,15 +241,16 @@ class Strategy(ActivationLedger, LossScaling, StrategyState):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward / backward over ``grad_accum`` micro-batches of this rank's rows, then step."""
-        xs, ys = x.chunk(self.grad_accum), y.chunk(self.grad_accum)
+    def train_step(self, x, y) -> float:
+        """Forward / backward over ``grad_accum`` micro-batches of this rank's rows, then step.
+        ``x``: a tensor, tuple or dict of tensors (rows first); ``y``: targets or None."""
+        xs, ys = batches.chunk(x, self.grad_accum), batches.chunk(y, self.grad_accum)
         total = torch.zeros((), device=self.device)
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             last = i == len(xs) - 1
             ctx = contextlib.nullcontext() if last else self.no_sync()
             with ctx:
-                loss = self.loss_fn(as_float(self.forward(xm.to(self.device))), ym.to(self.device))
+                loss = self.batch_loss(xm, ym)
                 total += loss.detach()
                 if last:   # the loss is known: average it while backward and step run
                     mean = self.launch_mean(total / len(xs))
@@ -273,15 +287,15 @@ class Strategy(ActivationLedger, LossScaling, StrategyState):
         return float(t)
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float | None]:
+    def evaluate(self, x, y) -> tuple[float, float | None]:
         """Global mean loss on (x, y) (this rank's rows), and accuracy for classifiers."""
         self.model.eval()
-        out = self.forward(x.to(self.device))
+        out = batches.call(self.forward, batches.to(x, self.device))
         self.model.train()
-        y = y.to(self.device)
+        y = batches.to(y, self.device)
         loss = self.loss_fn(as_float(out), y)
         acc = None
-        if torch.is_tensor(out) and out.dim() == 2:  # classifier logits (B, classes)
+        if torch.is_tensor(out) and out.dim() == 2 and torch.is_tensor(y):  # classifier (B, C)
             acc = self.reduce_mean((out.argmax(-1) == y).float().mean())
         return self.reduce_mean(loss), acc
 

@@ -8,8 +8,10 @@ Order (torchtitan's ``parallelize``; each step sees only what the earlier ones m
                      memory/lora.py), then ``memory.freeze``'s globs frozen (memory/freeze.py):
                      every later step keeps requires_grad, and every data-parallel stage gives
                      frozen parameters no gradient, optimizer state or traffic
- 1. model plan       which parameters tensor parallelism splits and how (shardwise's GPT:
-                     parallel/tensor.py; other models: tp and pp are refused with one line)
+ 1. model plan       which parameters tensor parallelism splits and how, which modules are
+                     blocks and where stages cut (models/plans.py: shardwise's GPT, HF GPT-2
+                     and Llama, registered user classes; a model without one: tp and pp are
+                     refused with one line)
  2. tensor parallel  global rank 0's weights broadcast over the world (meter
                      ``init_broadcast``), then the GPT's layers swapped for their tp slices over
                      ``mesh.tp_group``; the loss becomes the vocab-parallel cross-entropy
@@ -40,14 +42,11 @@ from shardwise.memory.checkpointing import apply_activation_checkpointing
 from shardwise.memory.freeze import freeze
 from shardwise.memory.lora import inject_lora
 from shardwise.mesh import Mesh
+from shardwise.models.plans import plan_of
 from shardwise.parallel import strategy_class
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
 from shardwise.parallel.data import stage_class
 from shardwise.parallel.tensor import TensorPlan, split_from_rank0
-
-
-def _is_gpt(model: nn.Module) -> bool:
-    return all(hasattr(model, a) for a in ("tok_emb", "blocks", "head"))
 
 
 def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Config, mesh: Mesh,
@@ -60,15 +59,17 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
     if m.freeze:
         freeze(model, m.freeze)
     if m.activation_checkpointing:                                # 4 (before any hooks)
-        apply_activation_checkpointing(model)
+        plan = plan_of(model)
+        apply_activation_checkpointing(model, None if plan is None else plan.blocks_of(model))
     if p.strategy not in DATA_MODEL:                              # single, dp, ps
         strategy = strategy_class(p.strategy)(cfg, mesh, comm, device, loss_fn)
         strategy.wrap(model, optimizer_factory)
         return strategy
-    if (mesh.tp > 1 or mesh.pp > 1) and not _is_gpt(model):       # 1
-        raise TypeError(f"tensor and pipeline parallelism split shardwise's GPT; "
-                        f"{type(model).__name__} has no plan for them yet; fix: use --dp with "
-                        "--zero-stage 0-3 (any model), or train shardwise's GPT")
+    if (mesh.tp > 1 or mesh.pp > 1) and plan_of(model) is None:   # 1
+        name = type(model).__name__
+        raise TypeError(f"tensor and pipeline parallelism split a model by its plan; {name} "
+                        f"has none; fix: shardwise.register_plan({name}, ModelPlan(...)) "
+                        "(shardwise/models/plans.py), or use --dp with --zero-stage 0-3")
     if mesh.pp > 1:                                               # 2, 3, 6 in hybrid.py
         strategy = strategy_class("3d")(cfg, mesh, comm, device, loss_fn)
         strategy.wrap(model, optimizer_factory)

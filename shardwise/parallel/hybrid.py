@@ -46,6 +46,7 @@ from shardwise.comm.reducer import Reducer
 from shardwise.presets import zero_stage
 from shardwise.parallel.base import Strategy
 from shardwise.parallel.hybrid_zero1 import PipelineZero1
+from shardwise.parallel.state import PipelineState
 from shardwise.parallel.pipeline import schedule as sched
 from shardwise.parallel.pipeline import timeline
 from shardwise.parallel.pipeline.checks import virtual_stages
@@ -54,7 +55,7 @@ from shardwise.parallel.pipeline.stage import stage_bounds, stage_of
 from shardwise.parallel.data.ddp import DDPStrategy
 from shardwise.parallel.tensor import TensorPlan, gather_tp, split_from_rank0
 
-class HybridStrategy(PipelineZero1, Strategy):
+class HybridStrategy(PipelineState, PipelineZero1, Strategy):
     name = "3d"
 
     # -- set-up ---------------------------------------------------------------------------
@@ -70,6 +71,7 @@ class HybridStrategy(PipelineZero1, Strategy):
         # 0-1. rank 0's whole model everywhere, then tensor parallel (tp_specs: how to gather)
         model, self.tp_specs, self.loss_fn = split_from_rank0(model, mesh, self.comm,
                                                               self.device, self.loss_fn)
+        self.tp_plan = TensorPlan(self.tp_specs, self.comm, mesh.tp_group)  # by global name
         # 2. pipeline split: keep this stage's layers only (its v chunks when interleaved)
         model = stage_of(model, bounds, mesh.pp_rank, mesh.pp)
         self.actions = sched.build(p.schedule, mesh.pp, p.num_microbatches,

@@ -261,6 +261,24 @@ class ParameterServerStrategy(Strategy):
         if self.is_ps and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
 
+    # -- the layout-free optimizer state (shardwise/checkpoint/: reshard) --------------------
+    def canonical_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every ps task's optimizer state by parameter name, on every rank (one object
+        all-gather over the world; a worker adds nothing)."""
+        mine = super().canonical_optimizer_state() if self.is_ps else {}
+        merged: dict[str, dict[str, torch.Tensor]] = {}
+        for part in self.comm.all_gather_object(mine, self.mesh.world):
+            merged.update(part)
+        return merged
+
+    def load_canonical_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """A ps task keeps the entries of the tensors it owns; a worker holds no optimizer."""
+        if not self.is_ps:
+            return
+        mine = {id(t) for t in self.shards[self.mesh.rank]}
+        owned = {n for n, t in self.model.named_parameters() if id(t) in mine}
+        super().load_canonical_optimizer_state({n: v for n, v in state.items() if n in owned})
+
     def stats(self) -> dict:
         """ps task: its update records (see ParamServer.stats); worker: its task name only."""
         return self.server.stats() if self.is_ps else {"task": self.task}

@@ -1,5 +1,11 @@
 """Tensor parallelism (Megatron-LM): each transformer layer's weights split across the tp group.
 
+What is split comes from the model's plan (shardwise/models/plans.py: shardwise's GPT, Hugging
+Face GPT-2 and Llama, or a plan a person registers); below, the GPT's names. GPT-2's Conv1D
+layers (weight (in, out)) are split on their other dimension; Llama's q / k / v projections
+are split by heads (key-value heads too, so tp must divide them), o_proj and down_proj are
+row-parallel, gate_proj and up_proj column-parallel, RMSNorm and the rotary table replicated.
+
 Partition (tp ranks r = 0..T-1, GPT of width h, H heads, vocabulary V):
   - attention: ``qkv`` is column-parallel by heads (rank r keeps the q, k and v rows of heads
     [rH/T, (r+1)H/T)), so attention runs on H/T local heads with no communication; ``proj`` is
@@ -34,6 +40,9 @@ from shardwise.comm.autograd import (copy_to_tp, reduce_from_tp, shard_range, sp
                                      vocab_parallel_cross_entropy, vocab_parallel_embedding)
 from shardwise.comm.collectives import Comm, Group
 from shardwise.memory.lora import LoRALinear
+from shardwise.models.build import logits_of
+from shardwise.models.plans import plan_of
+from shardwise.parallel.tensor_checks import check_heads
 from shardwise.parallel.tensor_lora import ColumnParallelLoRA, RowParallelLoRA
 
 
@@ -65,38 +74,45 @@ def _like(t: torch.Tensor, original: nn.Parameter) -> nn.Parameter:
 
 class ColumnParallelLinear(nn.Module):
     """y_local = f(x) @ W_r^T + b_r: output features split; input replicated (f: allreduce
-    backward). Built from the full nn.Linear, so it equals it for the same seed."""
+    backward). Built from the full nn.Linear, so it equals it for the same seed. ``transposed``:
+    built from Hugging Face's Conv1D, whose weight is (in, out) and stays so (split on dim 1)."""
 
-    def __init__(self, linear: nn.Linear, comm: Comm, group: Group, parts: int = 1,
-                 name: str = "tp_bwd"):
+    def __init__(self, linear: nn.Module, comm: Comm, group: Group, parts: int = 1,
+                 name: str = "tp_bwd", transposed: bool = False):
         super().__init__()
-        self.comm, self.group, self.name = comm, group, name
-        self.spec = ShardSpec(0, linear.out_features // parts, parts)
+        self.comm, self.group, self.name, self.transposed = comm, group, name, transposed
+        out = linear.weight.shape[1 if transposed else 0]
+        self.spec = ShardSpec(1 if transposed else 0, out // parts, parts)
+        self.bias_spec = ShardSpec(0, out // parts, parts)
         self.weight = _like(shard_tensor(linear.weight, self.spec, group.rank, group.size),
                             linear.weight)
         self.bias = None if linear.bias is None else _like(
-            shard_tensor(linear.bias, self.spec, group.rank, group.size), linear.bias)
+            shard_tensor(linear.bias, self.bias_spec, group.rank, group.size), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.comm, self.group, self.name)          # (B, T, in) replicated
-        return F.linear(x, self.weight, self.bias)                   # (B, T, out_local)
+        w = self.weight.t() if self.transposed else self.weight      # (out_local, in)
+        return F.linear(x, w, self.bias)                             # (B, T, out_local)
 
 
 class RowParallelLinear(nn.Module):
     """y = g(x_local @ W_r^T) + b: input features split, partial outputs summed (g: allreduce
-    forward); the bias is replicated and added once, after the sum."""
+    forward); the bias is replicated and added once, after the sum. ``transposed``: from a
+    Conv1D (weight (in, out), split on dim 0)."""
 
-    def __init__(self, linear: nn.Linear, comm: Comm, group: Group, name: str = "tp_fwd"):
+    def __init__(self, linear: nn.Module, comm: Comm, group: Group, name: str = "tp_fwd",
+                 transposed: bool = False):
         super().__init__()
-        self.comm, self.group, self.name = comm, group, name
-        self.spec = ShardSpec(1, linear.in_features)
+        self.comm, self.group, self.name, self.transposed = comm, group, name, transposed
+        self.spec = ShardSpec(0 if transposed else 1, linear.weight.shape[0 if transposed else 1])
         self.weight = _like(shard_tensor(linear.weight, self.spec, group.rank, group.size),
                             linear.weight)
         self.bias = None if linear.bias is None else _like(linear.bias.detach().clone(),
                                                            linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.comm, self.group, self.name)  # (B, T, out)
+        w = self.weight.t() if self.transposed else self.weight      # (out, in_local)
+        y = reduce_from_tp(F.linear(x, w), self.comm, self.group, self.name)   # (B, T, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -115,33 +131,76 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def apply_tensor_parallel(model: nn.Module, mesh, comm: Comm) -> dict[str, ShardSpec]:
-    """Swap shardwise's GPT layers for their tp-parallel versions over ``mesh.tp_group``, in place.
+    """Swap the modules ``model``'s plan (shardwise/models/plans.py) splits for their tp-parallel
+    versions over ``mesh.tp_group``, in place, and divide its attention modules' head counts.
 
-    Parameter names are unchanged (``blocks.0.attn.qkv.weight`` ...); returns {name: ShardSpec}
-    of every split parameter (the rest are replicated). tp = 1 leaves the model as it is.
+    Parameter names are unchanged (``blocks.0.attn.qkv.weight`` ...); a weight tied to another
+    split one (GPT-2's lm_head and wte: the same rows) stays tied. Returns {name: ShardSpec} of
+    every split parameter (the rest are replicated). tp = 1 leaves the model as it is.
     """
     group = mesh.tp_group
     if group.size == 1:
         return {}
-    if not all(hasattr(model, a) for a in ("tok_emb", "blocks", "head")):
-        raise TypeError(f"tensor parallelism knows shardwise's GPT; got {type(model).__name__}")
-    if model.cfg.n_head % group.size:
-        raise ValueError(f"tp = {group.size} does not divide n_head = {model.cfg.n_head}")
-    for block in model.blocks:
-        attn, mlp = block.attn, block.mlp
-        attn.qkv = _column(attn.qkv, comm, group, parts=3)
-        attn.proj = _row(attn.proj, comm, group)
-        attn.n_head = model.cfg.n_head // group.size                 # local heads
-        mlp.fc = _column(mlp.fc, comm, group)
-        mlp.proj = _row(mlp.proj, comm, group)
-    model.tok_emb = VocabParallelEmbedding(model.tok_emb, comm, group)
-    model.head = _column(model.head, comm, group, name="tp_vocab")
+    plan = _plan(model)
+    check_heads(plan.sizes(model) if plan.sizes else {}, group.size)
+    modules = list(model.named_modules())
+    ties = _ties(modules, plan)
+    for path, mod in modules:
+        split = plan.split_of(path)
+        if split is not None:
+            parent, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, _parallel(mod, split, comm, group))
+        for attr in plan.head_attrs(path):                          # local heads / widths
+            setattr(mod, attr, getattr(mod, attr) // group.size)
+    for path, same_as in ties:
+        mod, other = model.get_submodule(path), model.get_submodule(same_as)
+        if mod.spec != other.spec:
+            raise ValueError(f"{path}.weight is tied to {same_as}.weight, but the plan splits "
+                             "them differently; give both the vocabulary split")
+        mod.weight = other.weight
+    return _specs(model)
+
+
+def _plan(model: nn.Module):
+    plan = plan_of(model)
+    if plan is None:
+        name = type(model).__name__
+        raise TypeError(f"tensor parallelism needs a model plan; {name} has none; fix: "
+                        f"shardwise.register_plan({name}, ModelPlan(...)) (shardwise/models/"
+                        "plans.py), or use --dp with --zero-stage 0-3")
+    return plan
+
+
+def _ties(modules, plan) -> list[tuple[str, str]]:
+    """(path, path of the earlier split module whose weight it shares) for tied splits."""
+    first, ties = {}, []
+    for path, mod in modules:
+        if plan.split_of(path) is None or not isinstance(getattr(mod, "weight", None), nn.Parameter):
+            continue
+        key = id(mod.weight)
+        if key in first:
+            ties.append((path, first[key]))
+        else:
+            first[key] = path
+    return ties
+
+
+def _parallel(mod: nn.Module, split, comm: Comm, group: Group) -> nn.Module:
+    if split.style == "vocab":
+        return VocabParallelEmbedding(mod, comm, group)
+    if split.style == "rowwise":
+        return _row(mod, comm, group, split.transposed)
+    name = "tp_vocab" if split.style == "vocab_head" else "tp_bwd"
+    return _column(mod, comm, group, parts=split.parts, name=name, transposed=split.transposed)
+
+
+def _specs(model: nn.Module) -> dict[str, ShardSpec]:
     specs = {}
     for mod_name, mod in model.named_modules():
         if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
             specs[f"{mod_name}.weight"] = mod.spec
             if getattr(mod, "bias", None) is not None:
-                specs[f"{mod_name}.bias"] = mod.spec
+                specs[f"{mod_name}.bias"] = mod.bias_spec
         elif isinstance(mod, RowParallelLinear):
             specs[f"{mod_name}.weight"] = mod.spec
         elif isinstance(mod, ColumnParallelLoRA):      # B split like the base's rows
@@ -151,18 +210,20 @@ def apply_tensor_parallel(model: nn.Module, mesh, comm: Comm) -> dict[str, Shard
     return specs
 
 
-def _column(mod: nn.Module, comm: Comm, group: Group, parts: int = 1, name: str = "tp_bwd"):
-    """The column-parallel version of a Linear, or of a LoRA layer (parallel/tensor_lora.py)."""
+def _column(mod: nn.Module, comm: Comm, group: Group, parts: int = 1, name: str = "tp_bwd",
+            transposed: bool = False):
+    """The column-parallel version of a Linear (or Conv1D), or of a LoRA layer
+    (parallel/tensor_lora.py)."""
     if isinstance(mod, LoRALinear):
         return ColumnParallelLoRA(mod, comm, group, ColumnParallelLinear, shard_tensor,
                                   parts=parts, name=name)
-    return ColumnParallelLinear(mod, comm, group, parts=parts, name=name)
+    return ColumnParallelLinear(mod, comm, group, parts=parts, name=name, transposed=transposed)
 
 
-def _row(mod: nn.Module, comm: Comm, group: Group):
+def _row(mod: nn.Module, comm: Comm, group: Group, transposed: bool = False):
     if isinstance(mod, LoRALinear):
         return RowParallelLoRA(mod, comm, group, RowParallelLinear, shard_tensor, ShardSpec)
-    return RowParallelLinear(mod, comm, group)
+    return RowParallelLinear(mod, comm, group, transposed=transposed)
 
 
 @torch.no_grad()
@@ -175,16 +236,19 @@ def split_from_rank0(model: nn.Module, mesh, comm: Comm, device, loss_fn):
     for t in [*model.parameters(), *model.buffers()]:
         comm.broadcast(t.data, 0, mesh.world, name="init_broadcast")
     specs = apply_tensor_parallel(model, mesh, comm)
-    if mesh.tp > 1:
-        loss_fn = tp_loss(model.cfg.vocab_size, comm, mesh.tp_group)
+    plan = plan_of(model)
+    if mesh.tp > 1 and any(s.style == "vocab_head" for s in plan.tp.values()):
+        loss_fn = tp_loss(plan.sizes(model)["vocab_size"], comm, mesh.tp_group)
     return model, specs, loss_fn
 
 
 def tp_loss(vocab_size: int, comm: Comm, group: Group):
-    """The loss of a tp GPT: vocab-parallel cross-entropy on this rank's logit columns."""
+    """The loss of a tp model: vocab-parallel cross-entropy on this rank's logit columns (the
+    logits of any output: a tensor, or a ModelOutput's ``logits``)."""
     start = shard_range(vocab_size, group.rank, group.size)[0]
 
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss_fn(out, target: torch.Tensor) -> torch.Tensor:
+        logits = out if torch.is_tensor(out) else logits_of(out)        # (B, T, V_local)
         return vocab_parallel_cross_entropy(logits, target, start, comm, group)
     return loss_fn
 

@@ -56,10 +56,13 @@ class Accelerator:
     """Device memory not available to tensors: CUDA context, library workspaces."""
     intra_latency: float | None = None
     """Seconds per ring step inside a node; None: ``INTERCONNECT_LATENCY`` of the link."""
-    block_overhead: float = 150e-6
-    """Fixed seconds per block per micro-batch, forward + backward, that FLOPs do not explain:
-    about 30 kernel launches of ~5 us on a GPU (a guess, not a measurement; CUDA graphs or
-    compilation lower it). Negligible for large models, dominant for tiny ones."""
+    block_overhead: float = 60e-6
+    """Fixed seconds per block per micro-batch, forward + backward, that FLOPs do not explain,
+    outside the GEMMs: about 12 non-GEMM kernel launches of ~5 us on a GPU (a guess, not a
+    measurement; CUDA graphs or compilation lower it). With the 18 GEMM calls' ``gemm_latency``
+    a block's fixed cost is 150 us. Negligible for large models, dominant for tiny ones."""
+    gemm_latency: float = 5e-6
+    """Fixed seconds per GEMM call (kernels.py: the default curve ``max(F/R, B/W) + t0``)."""
 
 
 def _gpu(name, mem, bf16, fp32, eff, hbm, nvlink, pcie_gen_bw):
@@ -84,10 +87,10 @@ ACCELERATORS: tuple[Accelerator, ...] = (
     # development machine: a 3.3M-parameter GPT (20.9 MFLOP per token) trained at 8,500
     # tokens/s on 2 threads, i.e. ~89 GFLOP/s per thread *achieved* (so efficiency 1.0); gloo
     # allreduce bus bandwidth 1.4 GB/s; 50 us per message. 16 GiB and the 300 us of eager
-    # dispatch per block (~30 ops at ~10 us) are placeholders.
+    # dispatch per block (~30 ops at ~10 us, GEMMs included: gemm_latency 0) are placeholders.
     Accelerator(name="cpu", memory_bytes=16 * GIB, peak_flops=89e9, peak_flops_fp32=89e9,
                 efficiency=1.0, mem_bw=20e9, nvlink_bw=None, pcie_bw=1.4e9, host_bw=5e9,
-                reserved_bytes=0, intra_latency=50e-6, block_overhead=300e-6),
+                reserved_bytes=0, intra_latency=50e-6, block_overhead=300e-6, gemm_latency=0.0),
 )
 
 

@@ -16,9 +16,12 @@ import sys
 
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Hardware
-from shardwise.planner.layout import OPTIMIZERS, PRECISIONS, Batch
+from shardwise.planner.layout import CONVENTIONS, OPTIMIZERS, PRECISIONS, Batch
 from shardwise.planner.model import ModelSpec, parse_model
 from shardwise.planner.units import parse_bytes, parse_count, parse_rate
+
+TIE_BAND = 0.10
+"""Default ``--tie-band``: search.TIE_BAND (repeated so ``--help`` needs no search import)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--micro-batch", default=None, help="fix the micro-batch size (default: searched)")
     a("--precision", default="bf16", help="bf16 | fp16 (mixed precision) | fp32")
     a("--optimizer", default="adam", help="adam | sgd (with momentum)")
+    a("--convention", default="zero-paper", help="how model states are counted: zero-paper "
+      "(ZeRO-2 = 2 + 14/N bytes per parameter) | deepspeed (4 + 16/N; docs/planner.md)")
+    a("--tie-band", default=str(TIE_BAND), help="layouts within this fraction of the fastest "
+      f"step time tie; the simplest of them wins (default {TIE_BAND})")
     a("--format", default="table", help="table | json")
     a("--top", default="5", help="rows in the ranking (default 5)")
     a("--memory", default=None, help="override: memory per device, e.g. 80GiB")
@@ -74,6 +81,18 @@ def _positive_int(text: str, field: str) -> int:
         raise PlanError(field, text, "is not a whole number of at least 1",
                         f"give --{field} as an integer, e.g. --{field} 8")
     return int(text)
+
+
+def _fraction(text: str, field: str) -> float:
+    """A number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise PlanError(field, text, "is not a fraction in [0, 1)",
+                        f"give --{field} as e.g. 0.1 (10%), or 0 for no ties")
+    return value
 
 
 def _choice(text: str, field: str, choices: tuple[str, ...]) -> str:
@@ -128,13 +147,15 @@ def _run(argv: list[str]) -> int:
                                  **_overrides(args))
     batch = Batch(_global_batch(args.global_batch, model),
                   precision=_choice(args.precision, "precision", PRECISIONS),
-                  optimizer=_choice(args.optimizer, "optimizer", OPTIMIZERS))
+                  optimizer=_choice(args.optimizer, "optimizer", OPTIMIZERS),
+                  convention=_choice(args.convention, "convention", CONVENTIONS))
+    band = _fraction(args.tie_band, "tie-band")
     micro = _positive_int(args.micro_batch, "micro-batch") if args.micro_batch else None
     tokens = parse_count(args.tokens, "tokens")
     top = _positive_int(args.top, "top")
     from shardwise.planner.search import plan
 
-    result = plan(model, hw, batch, micro_batch=micro)
+    result = plan(model, hw, batch, micro_batch=micro, everything=True, band=band)
     from shardwise.planner import report
 
     if fmt == "json":

@@ -11,11 +11,13 @@ For ``K`` bytes (the full tensor) over ``N`` ranks with bandwidth ``bw`` and per
 Per layout and step (``P_dev`` parameters per device, g / w bytes per gradient / weight,
 m micro-batches, b micro-batch size):
 
-- DDP: one allreduce of ``g P_dev`` (in buckets; latency paid per bucket);
+- DDP: one allreduce of ``g P_dev`` (in buckets; latency paid per bucket); across nodes the
+  faster of a flat ring and the hierarchical algorithm (intra-node reduce-scatter, inter-node
+  ring on the shard, intra-node all-gather: ``dp_collective``), for ZeRO's collectives too;
 - ZeRO-1: reduce-scatter of the gradients + all-gather of the updated weights, once per step;
 - ZeRO-2: the reduce-scatter every micro-batch (gradients are not kept whole), the all-gather
   once; ZeRO-3: per micro-batch two all-gathers of the weights (forward, backward) and one
-  reduce-scatter: 1.5x DDP's volume (ZeRO paper, section 7);
+  reduce-scatter: 1.5x DDP's volume (ZeRO paper, section 7), one message per unit (block);
 - TP (Megatron, Shoeybi et al. 2019): per block and micro-batch 2 allreduces of ``b s h``
   activations in forward and 2 in backward, 2 more in the recomputed forward (the same volume
   as all-gather + reduce-scatter with sequence parallelism);
@@ -78,19 +80,43 @@ class DataParallelTraffic:
     """Run once per step after the optimizer (ZeRO-1/2 all-gather of the updated weights)."""
 
 
-def dp_traffic(layout: Layout, p_dev: float, hw: Hardware, batch: Batch) -> DataParallelTraffic:
-    """Seconds each dp collective of ``layout`` takes, for ``p_dev`` parameters per device."""
+def dp_collective(kind: str, k: float, layout: Layout, hw: Hardware, messages: int) -> float:
+    """An allreduce (``kind="ar"``) or reduce-scatter / all-gather (``"rs"``) of ``k`` bytes over
+    the dp group (``dp`` ranks ``tp`` apart), the faster of a flat ring (``Hardware.link``) and
+    the hierarchical algorithm (NCCL's choice across nodes): a reduce-scatter among the group's
+    ``k_n`` members of each node over NVLink / PCIe, the ``1 / k_n`` shard reduced across the
+    nodes at the node's network share per device (``inter_bw / devices_per_node``, every device
+    of a node sends at once), then (allreduce) an all-gather inside the node again."""
+    n, stride, g = layout.dp, layout.tp, hw.devices_per_node
+    bw, alpha = hw.link(n, stride)
+    ring = allreduce_time if kind == "ar" else reduce_scatter_time
+    flat = ring(k, n, bw, alpha, messages)
+    local = g // stride if stride < g else 1
+    if n <= 1 or stride * n <= g or local <= 1:
+        return flat
+    nodes = math.ceil(n / local)
+    intra = reduce_scatter_time(k, local, hw.intra_bw, hw.intra_latency, messages)
+    inter_bw = min(hw.intra_bw, hw.inter_bw / g)
+    across = ring(k / local, nodes, inter_bw, hw.inter_latency, messages)
+    return min(flat, (2 if kind == "ar" else 1) * intra + across)
+
+
+def dp_traffic(layout: Layout, p_dev: float, hw: Hardware, batch: Batch,
+               units: int = 1) -> DataParallelTraffic:
+    """Seconds each dp collective of ``layout`` takes, for ``p_dev`` parameters per device.
+    ZeRO-3 gathers and reduces per unit (a block): ``units`` messages of ``1 / units`` each,
+    each paying the ring's latency (ZeRO-3's per-unit gather latency)."""
     n = layout.dp
-    bw, alpha = hw.link(n, layout.tp)
     per = state_bytes(batch)
     grads, weights = per["gradients"] * p_dev, per["parameters"] * p_dev
     buckets = max(1, math.ceil(grads / layout.bucket_bytes))
-    rs = reduce_scatter_time(grads, n, bw, alpha, buckets)
-    ag = all_gather_time(weights, n, bw, alpha, buckets)
     if n <= 1 or layout.num_ps:
         return DataParallelTraffic(0.0, 0.0, 0.0, 0.0)
+    messages = max(units, 1) if layout.zero >= 3 else buckets
+    rs = dp_collective("rs", grads, layout, hw, messages)
+    ag = dp_collective("rs", weights, layout, hw, messages)
     if layout.zero == 0:
-        return DataParallelTraffic(0.0, 0.0, allreduce_time(grads, n, bw, alpha, buckets), 0.0)
+        return DataParallelTraffic(0.0, 0.0, dp_collective("ar", grads, layout, hw, buckets), 0.0)
     if layout.zero == 1:
         return DataParallelTraffic(0.0, 0.0, rs, ag)
     if layout.zero == 2:
@@ -105,7 +131,7 @@ def tp_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch, layers
     bw, alpha = hw.link(layout.tp, 1)
     act = 2 if batch.mixed else 4
     k = layout.micro_batch * model.seq_len * model.hidden * act
-    count = (6 if layout.act_ckpt else 4) * layers
+    count = (6 if layout.act_ckpt else 4) * layers   # selective recompute stays inside a region
     return count * allreduce_time(k, layout.tp, bw, alpha)
 
 

@@ -6,15 +6,17 @@ A step is ``m`` micro-batches per replica. Each micro-batch costs one slot on ev
     step = (m + pp - 1) * slot + dp sync left exposed + optimizer + offload + parameter server
 
 Compute is the busiest stage's share of ``6 P + 12 L s h`` FLOPs per token (block terms
-x 4/3 with recomputation; ``ModelSpec.flops_per_token``) at ``peak x efficiency``, plus a fixed
-``block_overhead`` per block and micro-batch (kernel launches). The
+x 4/3 with full recomputation, + 4 s h with selective; ``ModelSpec.block_flops``) at
+``peak x efficiency``, slowed where the block's GEMMs are small (kernels.py: ``max(F/R, B/W) +
+gemm_latency`` per GEMM), plus a fixed ``block_overhead`` per block and micro-batch. The
 pipeline bubble is ``(pp - 1) / (m + pp - 1)`` of the pipeline time (GPipe and 1F1B alike;
 interleaved 1F1B and ZB-H1 idle (pp-1)/v and (pp-1)/3 slots instead: ``layout.bubble_slots``).
 
 What overlaps with what (the only judgement calls): DDP's allreduce and ZeRO-1's
 reduce-scatter run during the last micro-batch's backward; ZeRO-2's reduce-scatter during each
-micro-batch's backward; ZeRO-3's gathers during the forward and the backward they feed; a
-forward is 1/3 of a micro-batch's compute (1/4 with recomputation). With a pipeline the dp sync
+micro-batch's backward; ZeRO-3's gathers unit by unit, each behind the previous unit's
+compute (one unit of prefetch; the first is exposed); a forward is 1/3 of a micro-batch's
+compute (1/4 with full recomputation). With a pipeline the dp sync
 runs after the flush, exposed (Megatron-LM 2021). Tensor-parallel allreduces, pipeline sends,
 offload copies and parameter-server traffic are never overlapped. ``Hardware.comm_overlap``
 scales what compute can hide (1 on accelerators; a CPU calibration sets 0, since there the
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.planner import comm
+from shardwise.planner import comm, kernels
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Batch, Layout, bubble_slots
@@ -116,18 +118,29 @@ def _check(layout: Layout, model: ModelSpec, hw: Hardware) -> None:
 
 def _microbatch_seconds(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> float:
     """Compute seconds of one micro-batch on the busiest stage's device: FLOPs at the
-    sustained rate, plus the fixed per-block overhead (x 4/3 when the forward runs twice)."""
-    block = model.block_flops(layout.act_ckpt)
+    sustained rate, slowed by the GEMM-size curve (kernels.py), plus the fixed per-block
+    overhead (x 4/3 when the forward runs twice)."""
+    block = model.block_flops(layout.recompute)
     first = layers_on_stage(model, layout.pp, 0) * block
     last = layers_on_stage(model, layout.pp, layout.pp - 1) * block + model.head_flops
     per_token = max(first, last) if layout.pp > 1 else first + model.head_flops
     flops = per_token * layout.micro_batch * model.seq_len / layout.tp
+    rate = hw.flops(batch.precision)
+    gemms = kernels.block_gemms(model.hidden, model.heads, model.ffn, model.seq_len,
+                                layout.micro_batch, layout.tp)
+    slow = kernels.slowdown(gemms, rate, hw.mem_bw, hw.gemm_latency, 2 if batch.mixed else 4)
     overhead = layers_on_stage(model, layout.pp, 0) * hw.block_overhead
-    return flops / hw.flops(batch.precision) + overhead * (4 / 3 if layout.act_ckpt else 1)
+    return flops / rate * slow + overhead * (4 / 3 if layout.act_ckpt else 1)
 
 
 def _optimizer_and_offload(layout, model, hw, batch, p_dev, m) -> tuple[float, float]:
-    """(device optimizer seconds, offload seconds) per step."""
+    """(device optimizer seconds, offload seconds) per step.
+
+    Offloaded optimizer (cpu or disk): the node's CPU steps every rank's partition at host
+    memory bandwidth; gradients go down (every micro-batch from ZeRO-2 on, once under ZeRO-1)
+    and the updated 16-bit parameters come back; disk reads and writes master and moments.
+    Offloaded parameters (ZeRO-3): every unit is fetched for the forward and the backward of
+    every micro-batch (through the host from disk), and written back after the step."""
     per = state_bytes(batch)
     weights = per["master_weights"] or per["parameters"]
     touched = 2 * weights + 2 * per["optimizer_states"] + per["gradients"]
@@ -136,17 +149,25 @@ def _optimizer_and_offload(layout, model, hw, batch, p_dev, m) -> tuple[float, f
         share = model.params / layout.num_ps
         return share * (2 * 4 + 2 * per["optimizer_states"] + 4) / hw.mem_bw, 0.0
     owned = p_dev / (layout.dp if layout.zero else 1)
-    if layout.offload == "none":
+    if not layout.offloaded:
         return owned * touched / hw.mem_bw, 0.0
     on_node = min(hw.devices_per_node, layout.world)
-    host = on_node * owned * touched / hw.host_mem_bw
-    fetch = (2 * m if layout.zero >= 3 else 1) * per["parameters"] * owned
-    copies = (fetch + m * per["gradients"] * owned) / hw.host_bw
-    disk = 0.0
-    if layout.offload == "disk":
-        disk = on_node * owned * (2 * (weights + per["optimizer_states"])
-                                  + 2 * m * per["parameters"]) / hw.disk_bw
-    return 0.0, host + copies + disk
+    device_s = off = 0.0
+    params = per["parameters"] * owned
+    if layout.offload == "none":
+        device_s = owned * touched / hw.mem_bw
+    else:
+        grads = (m if layout.zero >= 2 else 1) * per["gradients"] * owned
+        off += on_node * owned * touched / hw.host_mem_bw + (grads + params) / hw.host_bw
+        if layout.offload == "disk":
+            off += on_node * owned * 2 * (weights + per["optimizer_states"]) / hw.disk_bw
+    if layout.offload_params != "none":
+        fetch = 2 * m * params
+        back = params if layout.offload == "none" else 0.0   # else counted with the optimizer
+        off += (fetch + back) / hw.host_bw
+        if layout.offload_params == "disk":
+            off += on_node * (fetch + params) / hw.disk_bw
+    return device_s, off
 
 
 def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Estimate:
@@ -158,13 +179,14 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
     t_mb = _microbatch_seconds(layout, model, hw, batch)
     fwd = t_mb / (4 if layout.act_ckpt else 3)
     bwd = t_mb - fwd
-    dp = comm.dp_traffic(layout, p_dev, hw, batch)
+    units = layers_on_stage(model, layout.pp, 0)
+    dp = comm.dp_traffic(layout, p_dev, hw, batch, units=units)
     tp = comm.tp_time(layout, model, hw, batch, layers_on_stage(model, layout.pp, 0))
     # interleaved: a micro-batch crosses v times as many stage boundaries per rank
     p2p = comm.p2p_stage_time(layout, model, hw, batch) * layout.virtual_stages
     # what compute can hide: all of it on accelerators, none where collectives need the cores
     hide_fwd, hide_bwd = fwd * hw.comm_overlap, bwd * hw.comm_overlap
-    per_mb = _exposed_per_microbatch(dp, hide_fwd, hide_bwd)
+    per_mb = _exposed_per_microbatch(dp, hide_fwd, hide_bwd, units)
     slot = t_mb + tp + p2p + per_mb
     once = dp.after_step + (dp.last_backward if layout.pp > 1 else
                             max(0.0, dp.last_backward - hide_bwd))
@@ -188,11 +210,22 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
         mfu=model.flops_per_token() * tokens / (step * layout.world * hw.peak(batch.precision)))
 
 
-def _exposed_per_microbatch(dp: comm.DataParallelTraffic, fwd: float, bwd: float) -> float:
-    """ZeRO-2/3 traffic of one micro-batch not hidden by its compute: ZeRO-3's forward gather
-    behind the forward, its backward gather and the reduce-scatter behind the backward."""
-    gather = dp.per_microbatch_ag / 2
-    return max(0.0, gather - fwd) + max(0.0, gather + dp.per_microbatch_rs - bwd)
+def _exposed_per_microbatch(dp: comm.DataParallelTraffic, fwd: float, bwd: float,
+                            units: int = 1) -> float:
+    """ZeRO-2/3 traffic of one micro-batch not hidden by its compute.
+
+    ZeRO-3 gathers unit by unit with one unit of prefetch: unit i+1's gather runs while unit i
+    computes, so a pass exposes the first unit's gather in full and, for every other unit,
+    whatever of its gather its predecessor's compute does not cover; the backward does the same
+    with gather + reduce-scatter per unit, and the last unit's reduce-scatter is exposed.
+    ZeRO-2's reduce-scatter (no gathers) hides behind the backward as a whole."""
+    if dp.per_microbatch_ag == 0:
+        return max(0.0, dp.per_microbatch_rs - bwd)
+    n = max(1, units)
+    gather, rs = dp.per_microbatch_ag / 2 / n, dp.per_microbatch_rs / n
+    forward = gather + (n - 1) * max(0.0, gather - fwd / n)
+    backward = gather + (n - 1) * max(0.0, gather + rs - bwd / n) + rs
+    return forward + backward
 
 
 def _why_not(mem, hw: Hardware) -> str:

@@ -48,7 +48,7 @@ def guide(nodes: int, devices_per_node: int, fits_one: bool, nvlink: bool,
             return Guide("one GPU, the model fits", "use it as is",
                          lambda lay: lay.kind == "single")
         return Guide("one GPU, the model does not fit", "offload to the CPU",
-                     lambda lay: lay.offload != "none")
+                     lambda lay: lay.offloaded)
     if nodes == 1:
         if fits_one:
             return Guide("one node, the model fits one GPU", "DDP or ZeRO",
@@ -97,11 +97,12 @@ def _detail(reason: str, loser: Estimate, winner: Estimate, delta: float) -> str
     if reason == "bubble":
         return f"{plus} idle (bubble {loser.bubble:.1%}, pp={lay.pp}, m={loser.microbatches})"
     if reason == "offload":
-        return f"{plus} copying to and updating on the {lay.offload} (offload)"
+        where = " and ".join(sorted({w for w in (lay.offload, lay.offload_params) if w != "none"}))
+        return f"{plus} copying to and updating on the {where} (offload)"
     if reason == "optimizer":
         return f"{plus} in an optimizer step that is not sharded"
-    if lay.act_ckpt and not winner.layout.act_ckpt:
-        return f"{plus} recomputing activations (checkpointing)"
+    if lay.recompute != "none" and lay.recompute != winner.layout.recompute:
+        return f"{plus} recomputing activations ({lay.recompute} recompute)"
     if lay.num_ps:
         return f"{plus}: only the {lay.dp} workers compute, the {lay.num_ps} servers wait"
     return f"{plus} on the busiest stage"

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from shardwise.planner import catalogue
 from shardwise.planner.errors import PlanError
+from shardwise.planner.units import fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class Hardware:
     """Device memory tensors cannot use (CUDA context, workspaces)."""
     block_overhead: float = 0.0
     """Fixed seconds per transformer block per micro-batch (launches, dispatch), fwd + bwd."""
+    gemm_latency: float = 0.0
+    """Fixed seconds per GEMM call beyond its FLOPs and bytes (kernels.py's curve; 0 when the
+    rate was measured on whole blocks, as a calibration does)."""
     comm_overlap: float = 1.0
     """Fraction of compute time that data-parallel traffic can hide behind: 1 where NICs and
     copy engines move the bytes (GPUs), 0 where collectives and compute share the same cores
@@ -72,6 +76,11 @@ class Hardware:
                     flag = _FLAGS.get(f.name, f.name)
                     raise PlanError(flag, value, "is not positive",
                                     f"give --{flag.replace('_', '-')} a number above zero")
+        if self.memory_bytes <= self.reserved_bytes:
+            raise PlanError("memory", fmt_bytes(self.memory_bytes),
+                            f"leaves nothing for tensors: the device reserves "
+                            f"{fmt_bytes(self.reserved_bytes)} (CUDA context, workspaces)",
+                            "give the device's whole memory, e.g. --memory 80GiB")
         if self.comm_overlap > 1:
             raise PlanError("comm_overlap", self.comm_overlap, "is above 1",
                             "give the fraction of compute that can hide communication, 0 to 1")
@@ -162,7 +171,8 @@ class Hardware:
                  intra_latency=acc.intra_latency or catalogue.INTERCONNECT_LATENCY[link],
                  inter_bw=net.bandwidth,
                  inter_latency=net.latency, reserved_bytes=acc.reserved_bytes,
-                 host_bw=acc.host_bw, block_overhead=acc.block_overhead, name=acc.name,
+                 host_bw=acc.host_bw, block_overhead=acc.block_overhead,
+                 gemm_latency=acc.gemm_latency, name=acc.name,
                  interconnect=link, network=net.name)
         return replace(hw, **overrides) if overrides else hw
 

@@ -15,6 +15,11 @@ KINDS = ("single", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d", "ps")
 """Layout kinds, named as ``shardwise train --strategy`` names them."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 """Pipeline schedules, named as ``shardwise train --schedule`` names them."""
+OFFLOADS = ("none", "cpu", "disk")
+"""Where offloaded state lives: on the device (none), in host memory (cpu), on NVMe (disk)."""
+RECOMPUTE = ("none", "selective", "full")
+"""Activation recomputation: none; selective (Korthikanti et al. 2022: only the attention
+core, softmax and dropout, is recomputed); full (each block's input kept, the block rerun)."""
 
 
 def bubble_slots(schedule: str, pp: int, v: int = 1) -> float:
@@ -45,10 +50,19 @@ class Layout:
     zero: int = 0
     """ZeRO stage over the dp axis: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters."""
     offload: str = "none"
-    """Where master weights and optimizer states live: none, cpu (ZeRO-Offload, zero>=2), or
-    disk (ZeRO-Infinity, zero 3); with zero 3 the parameters move there too."""
+    """Where fp32 master weights, optimizer states (and, from ZeRO-2, the fp32 gradient
+    partition) live: none, cpu (ZeRO-Offload) or disk (ZeRO-Infinity); zero >= 1, as
+    ``shardwise train --offload`` allows. The 16-bit parameters stay unless ``offload_params``."""
+    offload_params: str = "none"
+    """ZeRO-3 only: where the 16-bit parameter partition lives (none, cpu, disk; ZeRO-Infinity's
+    ``offload_param``), fetched to the device for each unit. Any pairing with ``offload`` is
+    allowed. ``shardwise train`` does not implement it (the planner's CLI ranks it)."""
     act_ckpt: bool = False
-    """Full activation checkpointing: keep each block's input, recompute the rest in backward."""
+    """Full activation recomputation: keep each block's input, rerun the block in backward."""
+    selective_recompute: bool = False
+    """Selective recomputation (Korthikanti et al. 2022): drop and recompute only the attention
+    core (the ``5 a s^2 b / t`` activations); exclusive with ``act_ckpt``. Not in
+    ``shardwise train`` (the planner's CLI ranks it)."""
     micro_batch: int = 1
     """Sequences per micro-batch per replica."""
     schedule: str = "1f1b"
@@ -70,22 +84,40 @@ class Layout:
                 raise PlanError(name, getattr(self, name), "is below 1", f"set {name} >= 1")
         if self.zero not in (0, 1, 2, 3):
             raise PlanError("zero", self.zero, "is not a ZeRO stage", "use 0, 1, 2 or 3")
-        if self.offload not in ("none", "cpu", "disk"):
-            raise PlanError("offload", self.offload, "is unknown", "use none, cpu or disk")
+        for name in ("offload", "offload_params"):
+            if getattr(self, name) not in OFFLOADS:
+                raise PlanError(name, getattr(self, name), "is unknown", "use none, cpu or disk")
+        if self.act_ckpt and self.selective_recompute:
+            raise PlanError("selective_recompute", True, "is exclusive with full recompute",
+                            "choose one of recompute none, selective or full")
         if self.schedule not in SCHEDULES:
             raise PlanError("schedule", self.schedule, "is unknown", "use " + ", ".join(SCHEDULES))
         if self.virtual_stages < 1 or (self.virtual_stages > 1) != (self.schedule == "interleaved-1f1b"):
             raise PlanError("virtual_stages", self.virtual_stages, f"does not fit {self.schedule}",
                             "use virtual_stages >= 2 with interleaved-1f1b, else 1")
-        if self.offload != "none" and self.zero < (3 if self.offload == "disk" else 2):
-            raise PlanError("offload", self.offload, f"needs a higher ZeRO stage than {self.zero}",
-                            "offload to cpu with zero 2 or 3, to disk with zero 3")
+        if self.offload != "none" and self.zero < 1:
+            raise PlanError("offload", self.offload, "needs a ZeRO stage (there is no shard to "
+                            "move)", "offload with zero 1, 2 or 3")
+        if self.offload_params != "none" and self.zero < 3:
+            raise PlanError("offload_params", self.offload_params,
+                            f"needs ZeRO-3 (parameters are whole under zero {self.zero})",
+                            "offload parameters with zero 3 only")
         if self.zero >= 2 and (self.tp > 1 or self.pp > 1):
             raise PlanError("zero", self.zero, "does not combine with tp or pp here",
                             "use zero 1 in a 3d layout, or zero 2/3 with tp = pp = 1")
-        if self.num_ps and (self.tp > 1 or self.pp > 1 or self.zero or self.offload != "none"):
+        if self.num_ps and (self.tp > 1 or self.pp > 1 or self.zero):
             raise PlanError("num_ps", self.num_ps, "combines only with plain workers",
                             "use tp = pp = 1, zero 0 and no offload with a parameter server")
+
+    @property
+    def recompute(self) -> str:
+        """The recomputation choice: none, selective or full (see ``RECOMPUTE``)."""
+        return "full" if self.act_ckpt else "selective" if self.selective_recompute else "none"
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether anything lives off the device."""
+        return self.offload != "none" or self.offload_params != "none"
 
     @property
     def world(self) -> int:
@@ -111,7 +143,7 @@ class Layout:
         return math.ceil(global_batch / (self.dp * self.micro_batch))
 
     def describe(self) -> str:
-        """One line, e.g. ``3d dp=8 tp=8 pp=16 zero1 1f1b mb=1 ckpt``."""
+        """One line, e.g. ``3d dp=8 tp=8 pp=16 zero1 1f1b mb=1 recompute=full``."""
         parts = [self.kind]
         if self.num_ps:
             parts += [f"workers={self.dp}", f"servers={self.num_ps}"]
@@ -121,23 +153,28 @@ class Layout:
             parts.append(f"zero{self.zero}")
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
+        if self.offload_params != "none":
+            parts.append(f"offload_params={self.offload_params}")
         if self.pp > 1:
             parts.append(self.schedule + (f" v={self.virtual_stages}"
                                           if self.virtual_stages > 1 else ""))
         if self.sequence_parallel:
             parts.append("sp")
         parts.append(f"mb={self.micro_batch}")
-        if self.act_ckpt:
-            parts.append("ckpt")
+        parts.append(f"recompute={self.recompute}")
         return " ".join(parts)
 
     def to_dict(self) -> dict:
         """All fields plus ``kind`` and ``world``, for ``--format json``."""
-        return {"kind": self.kind, "world": self.world, **asdict(self)}
+        return {"kind": self.kind, "world": self.world, "recompute": self.recompute,
+                **asdict(self)}
 
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adam", "sgd")
+CONVENTIONS = ("zero-paper", "deepspeed")
+"""How model states are counted (memory.py): the ZeRO paper's ``2 + 2 + K`` (ZeRO-2 mixed Adam
+``2 + 14/N``) or DeepSpeed's ``estimate_zero*_model_states_mem_needs`` (ZeRO-2 ``4 + 16/N``)."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +188,8 @@ class Batch:
     fp32: everything in fp32, no master copy."""
     optimizer: str = "adam"
     """adam (two fp32 moments) or sgd (one fp32 momentum)."""
+    convention: str = "zero-paper"
+    """How model states are counted: zero-paper or deepspeed (see ``CONVENTIONS``)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
@@ -160,6 +199,9 @@ class Batch:
             raise PlanError("precision", self.precision, "is unknown", "use bf16, fp16 or fp32")
         if self.optimizer not in OPTIMIZERS:
             raise PlanError("optimizer", self.optimizer, "is unknown", "use adam or sgd")
+        if self.convention not in CONVENTIONS:
+            raise PlanError("convention", self.convention, "is unknown",
+                            "use " + " or ".join(CONVENTIONS))
 
     @property
     def mixed(self) -> bool:

@@ -12,14 +12,23 @@ fp32 SGD (momentum)      4       4      0        4       12
 =====================  ======  =====  ======  =========  ========================
 
 ZeRO-1 divides master and optimizer by N, ZeRO-2 the gradients too, ZeRO-3 everything: for
-mixed Adam 16P, 4P + 12P/N, 2P + 14P/N, 16P/N. Offload moves master, optimizer (and an fp32
-gradient copy; with ZeRO-3 the 16-bit parameters too) to the host or the disk.
+mixed Adam 16P, 4P + 12P/N, 2P + 14P/N, 16P/N (``convention="zero-paper"``, the default).
+``convention="deepspeed"`` counts as DeepSpeed's ``estimate_zero2/3_model_states_mem_needs``
+do, with the fp32 gradient partition the optimizer steps on: ZeRO-1 and ZeRO-2 ``4P + 16P/N``
+(whole 16-bit gradients, DeepSpeed's stage 1 and 2 share one implementation), ZeRO-3
+``18P/N`` plus 4 bytes per parameter of the largest unit (here in buffers: two gathered blocks).
+
+Offload (any combination, ``Layout.offload`` and ``Layout.offload_params``): ``offload`` moves
+master, optimizer and the fp32 gradient partition (4P/N) to cpu or disk, from ZeRO-2 on the
+device keeps only gradient buckets; ``offload_params`` (ZeRO-3) moves the 16-bit parameter
+partition too, e.g. ZeRO-3 with only the optimizer on the cpu keeps 2P/N on the device.
 
 Activations per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", eq. 2 and section 4), 16-bit, no flash attention:
 ``s b h (10 + 24/t) + 5 a s^2 b / t`` bytes, where 24 = 8 + 4f/h for an MLP of width f; with
 sequence parallelism every term is divided by t (``s b h 34/t + ...``). Full recomputation keeps
-``2 s b h`` per layer (the block input) plus one block's full activations while it recomputes.
+``2 s b h`` per layer (the block input) plus one block's full activations while it recomputes;
+selective recomputation drops only the attention core's ``5 a s^2 b / t``.
 The output layer adds ``4 s b V / t`` (fp32 logits) on the last stage. fp32 doubles everything.
 A pipeline stage holds ``m`` micro-batches in flight under GPipe and ``min(m, pp - i)`` at stage
 i under 1F1B; the first and the last stage are checked and the larger total is reported.
@@ -83,26 +92,35 @@ def stage_params(model: ModelSpec, pp: int, stage: int) -> int:
     return params
 
 
-def model_states(p_dev: float, layout: Layout, batch: Batch) -> tuple[dict[str, float], float]:
-    """(device bytes per state, bytes sent to the host or disk) for ``p_dev`` parameters."""
+def model_states(p_dev: float, layout: Layout, batch: Batch) -> tuple[dict[str, float],
+                                                                  dict[str, float]]:
+    """(device bytes per state, bytes moved to ``{"cpu": .., "disk": ..}``) for ``p_dev``
+    parameters, in ``batch.convention`` (module docstring)."""
     per = state_bytes(batch)
     n = layout.dp
     shard = {"parameters": n if layout.zero >= 3 else 1, "gradients": n if layout.zero >= 2 else 1,
              "master_weights": n if layout.zero >= 1 else 1,
              "optimizer_states": n if layout.zero >= 1 else 1}
     states = {k: per[k] * p_dev / shard[k] for k in per}
-    offloaded = 0.0
+    fp32_grads = 4 * p_dev / n       # the fp32 gradient partition the (host) optimizer steps on
+    if batch.convention == "deepspeed" and batch.mixed and layout.zero >= 1:
+        # DeepSpeed's stage 1/2 keep the whole 16-bit gradient plus the fp32 partition (4 + 16/N);
+        # stage 3 counts the fp32 partition only (18/N), the unit's 16-bit grads in buffers.
+        states["gradients"] = (2 * p_dev if layout.zero < 3 else 0.0) + fp32_grads
+    moved = {"cpu": 0.0, "disk": 0.0}
     if layout.offload != "none":
-        # The host keeps master, optimizer, an fp32 gradient partition, and with ZeRO-3 the
-        # 16-bit parameter partition; the device keeps only buckets (counted in buffers).
-        moved = ["master_weights", "optimizer_states", "gradients"]
-        moved += ["parameters"] if layout.zero >= 3 else []
-        offloaded = states["master_weights"] + states["optimizer_states"] + 4 * p_dev / n
-        if layout.zero >= 3:
-            offloaded += states["parameters"]
-        for k in moved:
-            states[k] = 0.0
-    return states, offloaded
+        # master, optimizer and the fp32 gradient partition move; from ZeRO-2 on the device keeps
+        # only gradient buckets (counted in buffers), under ZeRO-1 its whole 16-bit gradients.
+        moved[layout.offload] += states["master_weights"] + states["optimizer_states"] + fp32_grads
+        states["master_weights"] = states["optimizer_states"] = 0.0
+        if layout.zero >= 2:
+            states["gradients"] = 0.0
+        elif batch.convention == "deepspeed" and batch.mixed:
+            states["gradients"] -= fp32_grads
+    if layout.offload_params != "none":
+        moved[layout.offload_params] += states["parameters"]
+        states["parameters"] = 0.0
+    return states, moved
 
 
 def activation_per_layer(model: ModelSpec, layout: Layout, batch: Batch, full: bool) -> float:
@@ -114,7 +132,7 @@ def activation_per_layer(model: ModelSpec, layout: Layout, batch: Batch, full: b
         return scale * 2 * s * b * h / sp
     unsplit = 10 / sp
     split = (8 + 4 * model.ffn / h) / t
-    attention = 5 * model.heads * s * s * b / t
+    attention = 0.0 if layout.selective_recompute else 5 * model.heads * s * s * b / t
     return scale * (s * b * h * (unsplit + split) + attention)
 
 
@@ -150,7 +168,7 @@ def buffers(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float) -> flo
     bucket; two boundary activations (send, receive) per pipeline stage."""
     grad_bytes = state_bytes(batch)["gradients"]
     total = 0.0
-    if layout.dp > 1 or layout.offload != "none":
+    if layout.dp > 1 or layout.offloaded:
         total += 2 * min(layout.bucket_bytes, grad_bytes * p_dev)
     if layout.zero >= 3:
         total += 2 * state_bytes(batch)["parameters"] * model.layer_params / layout.tp
@@ -159,8 +177,8 @@ def buffers(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float) -> flo
     return total
 
 
-def _device(model, layout, batch, stage, microbatches) -> tuple[dict[str, float], float]:
-    """(categories, offloaded bytes) for one device of ``stage``."""
+def _device(model, layout, batch, stage, microbatches) -> tuple[dict[str, float], dict]:
+    """(categories, bytes moved to cpu / disk) for one device of ``stage``."""
     p_dev = stage_params(model, layout.pp, stage) / layout.tp
     states, offloaded = model_states(p_dev, layout, batch)
     states["activations"] = stage_activations(model, layout, batch, stage, microbatches)
@@ -188,7 +206,6 @@ def memory(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Memo
         worker = dict(first, master_weights=0.0, optimizer_states=0.0)
         candidates = [("worker", worker), ("server", _server(model, layout, batch))]
     role, device = max(candidates, key=lambda c: sum(c[1].values()))
-    per_node = offloaded * min(hw.devices_per_node, layout.world)
-    host = per_node if layout.offload == "cpu" else 0.0
-    disk = per_node if layout.offload == "disk" else 0.0
+    on_node = min(hw.devices_per_node, layout.world)
+    host, disk = offloaded["cpu"] * on_node, offloaded["disk"] * on_node
     return Memory(device=device, role=role, host_per_node=host, disk_per_node=disk)

@@ -8,6 +8,7 @@ it is tied to the token embedding.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 from shardwise.planner.errors import PlanError
@@ -80,10 +81,14 @@ class ModelSpec:
         """
         return self.layers * self.block_flops(recompute) + self.head_flops
 
-    def block_flops(self, recompute: bool = False) -> float:
-        """Training FLOPs of one block per token: 6 layer_params + 12 s h (x 4/3 recomputing)."""
+    def block_flops(self, recompute: bool | str = False) -> float:
+        """Training FLOPs of one block per token: 6 layer_params + 12 s h; x 4/3 with full
+        recomputation (``True`` or ``"full"``); + 4 s h with ``"selective"`` (the attention
+        core's forward, Q K^T and the weighted V, runs again: Korthikanti et al. 2022, sec. 5)."""
         block = 6 * self.layer_params + 12 * self.seq_len * self.hidden
-        return block * (4 / 3 if recompute else 1)
+        if recompute == "selective":
+            return block + 4 * self.seq_len * self.hidden
+        return block * (4 / 3 if recompute in (True, "full") else 1)
 
     @property
     def head_flops(self) -> float:
@@ -115,9 +120,44 @@ PRESETS: dict[str, ModelSpec] = {
 }
 """Named models; the keys are matched case-insensitively."""
 
+PUBLISHED: dict[str, tuple[str, str]] = {
+    "175B": ("full", "Megatron-LM, Narayanan et al. 2021: t=8, p=16, d=8, full activation "
+             "recomputation on 1024 A100s, 34 days for 300B tokens"),
+}
+"""Preset -> (recompute, the run) of a published training run, to flag where a plan differs."""
+
+
+HEAD_DIM = 128
+"""Head width of a shape derived from a bare parameter count (GPT-3 175B, Megatron 1T)."""
+ASPECT = 128
+"""Width per layer of a derived shape: GPT-3 175B has h / L = 12288 / 96 = 128."""
+
+
+def shape_for(params: float, seq_len: int = 2048, vocab: int = 50257) -> ModelSpec:
+    """A GPT-3-like shape holding about ``params`` parameters: width ``h`` a multiple of
+    ``HEAD_DIM`` near ``(128 P / 12)^(1/3)`` (so that ``h / L`` is about ``ASPECT``, with
+    ``P ~ 12 L h^2``; a multiple of 8 heads from 1024 on, so tp = 8 divides them), heads of
+    ``HEAD_DIM``, then the layer count that comes closest to P."""
+    if params < 1e6:
+        raise PlanError("model", f"{params:.4g}", "is too small to derive a transformer shape",
+                        "give at least 1M parameters, or the shape as L,H,A,S,V")
+    ideal = (ASPECT * params / 12) ** (1 / 3)
+    step = 8 * HEAD_DIM if ideal >= 8 * HEAD_DIM else HEAD_DIM   # heads divisible by tp = 8
+    width = max(1, round(ideal / step)) * step
+    probe = ModelSpec(1, width, width // HEAD_DIM, seq_len, vocab)
+    layers = max(1, round((params - probe.embedding_params) / probe.layer_params))
+    spec = ModelSpec(layers, width, width // HEAD_DIM, seq_len, vocab,
+                     name=f"{_count(params)} (shape derived from the count)")
+    if abs(spec.params / params - 1) > 0.2:
+        raise PlanError("model", _count(params), f"is too few parameters for a GPT shape (its "
+                        f"embeddings alone hold {_count(probe.embedding_params)})",
+                        "give the shape as L,H,A,S,V")
+    return spec
+
 
 def parse_model(text: str) -> ModelSpec:
-    """A preset name (``175B``, ``gpt-tiny``, ...) or five integers ``L,H,A,S,V``."""
+    """A preset name (``175B``, ``gpt-tiny``, ...), five integers ``L,H,A,S,V``, or a bare
+    parameter count (``10T``, ``1.5e12``; shape from :func:`shape_for`)."""
     for key, spec in PRESETS.items():
         if key.lower() == text.strip().lower():
             return spec
@@ -125,8 +165,14 @@ def parse_model(text: str) -> ModelSpec:
     if len(parts) == 5 and all(p.strip().isdigit() for p in parts):
         layers, hidden, heads, seq_len, vocab = (int(p) for p in parts)
         return ModelSpec(layers, hidden, heads, seq_len, vocab, name=text.replace(" ", ""))
-    raise PlanError("model", text, "is neither a preset nor L,H,A,S,V",
-                    f"use one of {', '.join(PRESETS)}, or e.g. 24,2048,16,2048,50257")
+    if len(parts) == 1 and re.fullmatch(r"\s*[0-9.]+(?:[eE][+-]?[0-9]+)?\s*[kKmMbBgGtT]?\s*",
+                                        text):
+        from shardwise.planner.units import parse_count
+
+        return shape_for(parse_count(text, "model"))
+    raise PlanError("model", text, "is neither a preset, L,H,A,S,V nor a parameter count",
+                    f"use one of {', '.join(PRESETS)}, e.g. 24,2048,16,2048,50257, or a count "
+                    "such as 10T or 1.5e12")
 
 
 def _count(n: float) -> str:

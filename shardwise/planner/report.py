@@ -10,6 +10,7 @@ from typing import TextIO
 
 from shardwise.planner.cost import Estimate
 from shardwise.planner.explain import why_lost
+from shardwise.planner.model import PUBLISHED
 from shardwise.planner.search import Plan
 from shardwise.planner.units import fmt_bytes, fmt_count, fmt_seconds
 
@@ -33,9 +34,31 @@ def _others(plan: Plan, top: int) -> list[Estimate]:
     return [e for kind, e in plan.per_kind.items() if kind not in shown]
 
 
-def _row(e: Estimate, plan: Plan, tokens: float, label: str) -> list[str]:
+def verdict(e: Estimate, plan: Plan) -> str | None:
+    """None for the winner; a tie's step time against the winner's; else why it lost."""
     w = plan.winner
-    verdict = "winner" if e is w else (why_lost(e, w) if w else e.why_not)
+    if e is w:
+        return None
+    if w is None:
+        return e.why_not
+    if any(e is t for t in plan.ranked[:plan.ties]):
+        return (f"tie: {e.step_s / w.step_s - 1:+.1%} step time, within the model's "
+                f"{plan.band:.0%} error band; the winner has fewer moving parts")
+    return why_lost(e, w)
+
+
+def published_note(plan: Plan) -> str:
+    """A line when the winner's recomputation differs from the published run of the model."""
+    run = PUBLISHED.get(plan.model.name)
+    w = plan.winner
+    if run is None or w is None or w.layout.recompute == run[0]:
+        return ""
+    return (f"Note: the winner uses recompute={w.layout.recompute}; the published run of "
+            f"{plan.model.name} used {run[0]} recompute ({run[1]}).")
+
+
+def _row(e: Estimate, plan: Plan, tokens: float, label: str) -> list[str]:
+    verdict_text = verdict(e, plan) or "winner"
     fits = e.fits
     return [label, e.layout.describe(),
             f"{fmt_bytes(e.memory_total)} / {fmt_bytes(e.capacity)}",
@@ -43,7 +66,7 @@ def _row(e: Estimate, plan: Plan, tokens: float, label: str) -> list[str]:
             fmt_seconds(e.comm_exposed_s) if fits else "-",
             f"{e.bubble:.1%}" if e.layout.pp > 1 and fits else "-",
             f"{e.mfu:.1%}" if fits else "-",
-            fmt_seconds(e.time_to_train(tokens)) if fits else "-", verdict]
+            fmt_seconds(e.time_to_train(tokens)) if fits else "-", verdict_text]
 
 
 HEADERS = ("#", "layout", "memory / device", "step", "exposed comm", "bubble", "MFU",
@@ -61,8 +84,10 @@ def print_table(plan: Plan, top: int, tokens: float, out: TextIO | None = None) 
     console.print(f"[bold]machine[/] {plan.hardware.describe()}")
     b = plan.batch
     console.print(f"[bold]batch[/] {b.global_batch} sequences x {plan.model.seq_len} tokens, "
-                  f"{b.precision}, {b.optimizer}")
-    table = Table(title=f"Fastest layouts that fit (top {top} of {len(plan.ranked)} families)")
+                  f"{b.precision}, {b.optimizer}; model states counted as {b.convention}")
+    table = Table(title=f"Fastest layouts that fit (top {top} of {len(plan.ranked)} families; "
+                        f"{plan.ties} within {plan.band:.0%} of the fastest are ties, "
+                        f"simplest first)")
     for h in HEADERS:
         table.add_column(h, overflow="fold")
     for i, e in enumerate(plan.ranked[:top], 1):
@@ -75,6 +100,8 @@ def print_table(plan: Plan, top: int, tokens: float, out: TextIO | None = None) 
                       + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.winner.memory.items()))
     console.print(plan.explanation, highlight=False)
     console.print(f"[bold]{train_line(plan, tokens)}[/]", highlight=False)
+    if published_note(plan):
+        console.print(published_note(plan), highlight=False)
 
 
 def to_json(plan: Plan, top: int, tokens: float) -> str:
@@ -83,18 +110,21 @@ def to_json(plan: Plan, top: int, tokens: float) -> str:
 
     def entry(e: Estimate) -> dict:
         return {**e.to_dict(), "time_to_train_s": e.time_to_train(tokens) if e.fits else None,
-                "why_not_first": None if e is w else (why_lost(e, w) if w else e.why_not)}
+                "tie": any(e is t for t in plan.ranked[:plan.ties]),
+                "why_not_first": verdict(e, plan)}
 
     doc = {
         "model": plan.model.to_dict(), "hardware": plan.hardware.to_dict(),
         "batch": {"global_batch": plan.batch.global_batch, "precision": plan.batch.precision,
-                  "optimizer": plan.batch.optimizer},
+                  "optimizer": plan.batch.optimizer, "convention": plan.batch.convention},
         "tokens": tokens,
         "guide": {"case": plan.guide.case, "advice": plan.guide.advice,
                   "winner_matches": bool(w and plan.guide.matches(w.layout))},
         "explanation": plan.explanation,
         "time_to_train_s": w.time_to_train(tokens) if w else None,
         "summary": train_line(plan, tokens),
+        "tie_band": plan.band, "ties": plan.ties,
+        "published_note": published_note(plan) or None,
         "winner": entry(w) if w else None,
         "ranked": [entry(e) for e in plan.ranked[:top]],
         "other_kinds": [entry(e) for e in _others(plan, top)],

@@ -3,14 +3,21 @@
 Valid layouts: ``dp * tp * pp = devices`` (or ``num_ps + workers = devices``); tp divides the
 devices of a node and the number of heads (tp stays inside a node); pp at most the number of
 layers (stages balanced to within one layer); ZeRO 1-3 over dp for pure data parallelism,
-ZeRO-1 in 3D layouts (as Megatron-DeepSpeed allows); offload to cpu with ZeRO-2/3 and to disk
-with ZeRO-3; activation checkpointing on or off; micro-batches of 1, 2, 4, ... sequences up to a
-replica's share of the global batch; GPipe and 1F1B; 1, 2, 4, ... parameter servers. Layouts
-that do not fit are dropped; the rest are ranked by step time (ties: less memory first).
+ZeRO-1 in 3D layouts (as Megatron-DeepSpeed allows); the optimizer offloaded to cpu or disk
+with ZeRO 1-3; recompute none or full; micro-batches of 1, 2, 4, ... sequences up to a
+replica's share of the global batch; GPipe and 1F1B; 1, 2, 4, ... parameter servers.
+
+``everything=True`` (what ``shardwise plan`` asks for) adds what ``shardwise train --strategy
+auto`` cannot run as planned: selective recompute, ZeRO-3 with the parameters offloaded (to cpu
+or disk, with the optimizer on the device, the cpu or the disk: every combination), and the
+interleaved 1F1B (v = 2, 4 where the stage has the layers) and ZB-H1 schedules.
+
+Layouts that do not fit are dropped; the rest are ranked by step time. Layouts within
+``TIE_BAND`` of the fastest (the model's error band, docs/planner.md) are ties: among them the
+simplest goes first (seed 000's guide: fewer sharded states, no offload, no recomputation,
+fewer model splits, plain schedules), then the faster, then the one with less memory.
 """
 from __future__ import annotations
-
-import math
 
 from dataclasses import dataclass, replace
 from typing import Iterator
@@ -34,7 +41,12 @@ class Plan:
     batch: Batch
     """The global batch, precision and optimizer."""
     ranked: tuple[Estimate, ...]
-    """Layouts that fit, fastest first, one per family (kind, sizes, ZeRO, offload)."""
+    """Layouts that fit, one per family (kind, sizes, ZeRO, offload): the ties first (simplest
+    first), then fastest first."""
+    ties: int
+    """How many of ``ranked`` are within ``band`` of the fastest (the winner among them)."""
+    band: float
+    """The tie band used (``TIE_BAND`` unless given)."""
     per_kind: dict[str, Estimate]
     """The best layout of every kind; one that does not fit only when none of its kind does."""
     guide: Guide
@@ -46,7 +58,7 @@ class Plan:
 
     @property
     def winner(self) -> Estimate | None:
-        """The fastest layout that fits, or None."""
+        """The simplest of the layouts tied with the fastest one that fits, or None."""
         return self.ranked[0] if self.ranked else None
 
 
@@ -62,17 +74,25 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
-def _zero_options(dp: int, pure_dp: bool) -> list[tuple[int, str]]:
-    """(ZeRO stage, offload) pairs worth trying for a dp size."""
-    offloads = [(2, "cpu"), (3, "cpu"), (3, "disk")] if pure_dp else []
-    if dp == 1:
-        return [(0, "none")] + offloads
-    stages = [0, 1, 2, 3] if pure_dp else [0, 1]
-    return [(z, "none") for z in stages] + offloads
+TIE_BAND = 0.10
+"""Relative step-time difference below which two layouts are a tie: the model's stated error
+band on published runs (GPT-3 175B's 34 days, docs/planner.md: within 10%)."""
 
 
-def layouts(model: ModelSpec, hw: Hardware, batch: Batch,
-            micro_batch: int | None = None) -> Iterator[Layout]:
+def _zero_options(dp: int, pure_dp: bool, everything: bool) -> list[tuple[int, str, str]]:
+    """(ZeRO stage, optimizer offload, parameter offload) triples worth trying for a dp size."""
+    if not pure_dp:
+        return [(0, "none", "none")] + ([(1, "none", "none")] if dp > 1 else [])
+    stages = [0, 1, 2, 3] if dp > 1 else [0]
+    out = [(z, "none", "none") for z in stages]
+    out += [(z, o, "none") for z in (1, 2, 3) for o in ("cpu", "disk")]
+    if everything:
+        out += [(3, o, p) for o in ("none", "cpu", "disk") for p in ("cpu", "disk")]
+    return out
+
+
+def layouts(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | None = None,
+            everything: bool = False) -> Iterator[Layout]:
     """Every layout the search considers for this machine (see the module docstring)."""
     world, per_node = hw.world_size, hw.devices_per_node
     for tp in _divisors(min(per_node, world)):
@@ -80,39 +100,64 @@ def layouts(model: ModelSpec, hw: Hardware, batch: Batch,
             continue
         for pp in (p for p in _divisors(world // tp) if p <= model.layers):
             dp = world // (tp * pp)
-            for zero, offload in _zero_options(dp, tp == pp == 1):
-                base = Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=offload)
-                yield from _variants(base, batch, micro_batch)
+            for zero, offload, params in _zero_options(dp, tp == pp == 1, everything):
+                base = Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=offload,
+                              offload_params=params)
+                yield from _variants(base, model, batch, micro_batch, everything)
     for num_ps in _powers_of_two(world // 2):
-        yield from _variants(Layout(dp=world - num_ps, num_ps=num_ps), batch, micro_batch)
+        yield from _variants(Layout(dp=world - num_ps, num_ps=num_ps), model, batch,
+                             micro_batch, everything)
 
 
-def _variants(base: Layout, batch: Batch, micro_batch: int | None) -> Iterator[Layout]:
-    """``base`` with each micro-batch size, checkpointing choice and schedule."""
+def _schedules(pp: int, layers: int, everything: bool) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs for a pipeline of ``pp`` stages."""
+    if pp <= 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("gpipe", 1)]
+    if everything:
+        out += [("zb-h1", 1)] + [("interleaved-1f1b", v) for v in (2, 4) if layers >= pp * v]
+    return out
+
+
+def _variants(base: Layout, model: ModelSpec, batch: Batch, micro_batch: int | None,
+              everything: bool) -> Iterator[Layout]:
+    """``base`` with each micro-batch size, recomputation choice and schedule."""
     share = batch.global_batch // base.dp
     sizes = [micro_batch] if micro_batch else _powers_of_two(share)
+    recomputes = [(False, False), (True, False)] + ([(False, True)] if everything else [])
     for mb in (s for s in sizes if s <= share):
-        for ckpt in (False, True):
-            for schedule in ("1f1b", "gpipe") if base.pp > 1 else ("1f1b",):
-                yield replace(base, micro_batch=mb, act_ckpt=ckpt, schedule=schedule)
+        for full, selective in recomputes:
+            for schedule, v in _schedules(base.pp, model.layers, everything):
+                yield replace(base, micro_batch=mb, act_ckpt=full, selective_recompute=selective,
+                              schedule=schedule, virtual_stages=v)
 
 
 def _family(lay: Layout) -> tuple:
-    """Layouts differing only in micro-batch, checkpointing or schedule share a family."""
-    return (lay.kind, lay.dp, lay.tp, lay.pp, lay.zero, lay.offload, lay.num_ps)
+    """Layouts differing only in micro-batch, recomputation or schedule share a family."""
+    return (lay.kind, lay.dp, lay.tp, lay.pp, lay.zero, lay.offload, lay.offload_params,
+            lay.num_ps)
 
 
-def _order(e: Estimate) -> tuple:
-    """Fastest first; layouts within 1% of each other's step time (the model's resolution) go
-    simplest first (fewer sharded states, no offload, no recomputation, fewer model splits),
-    then smallest memory: between equals, the one with fewer moving parts wins."""
-    return (round(math.log(max(e.step_s, 1e-12)) / math.log(1.01)), _complexity(e.layout),
-            e.memory_total)
+def complexity(layout: Layout) -> int:
+    """Moving parts, seed 000's order of preference (simplest first): sharded states, offload,
+    recomputation, model splits, parameter servers, schedules beyond GPipe / 1F1B."""
+    return (layout.zero + (layout.offload != "none") + (layout.offload_params != "none")
+            + (layout.recompute != "none") + (layout.tp > 1) + (layout.pp > 1)
+            + bool(layout.num_ps) + (layout.schedule in ("interleaved-1f1b", "zb-h1")))
 
 
-def _complexity(layout: Layout) -> int:
-    return (layout.zero + (layout.offload != "none") + bool(layout.act_ckpt) + (layout.tp > 1)
-            + (layout.pp > 1) + bool(layout.num_ps))
+def rank(fitting: list[Estimate], band: float = TIE_BAND) -> tuple[list[Estimate], int]:
+    """(``fitting`` in ranking order, how many of the first are ties with the fastest):
+    those within ``band`` of the fastest step time, simplest first; then the rest, fastest
+    first (less memory first between equal times)."""
+    if not fitting:
+        return [], 0
+    fastest = min(e.step_s for e in fitting)
+    ties = [e for e in fitting if e.step_s <= fastest * (1 + band)]
+    rest = [e for e in fitting if e.step_s > fastest * (1 + band)]
+    ties.sort(key=lambda e: (complexity(e.layout), e.step_s, e.memory_total))
+    rest.sort(key=lambda e: (e.step_s, e.memory_total))
+    return ties + rest, len(ties)
 
 
 def fits_one_device(model: ModelSpec, hw: Hardware, batch: Batch) -> bool:
@@ -121,20 +166,28 @@ def fits_one_device(model: ModelSpec, hw: Hardware, batch: Batch) -> bool:
     return estimate(Layout(act_ckpt=True), model, one, replace(batch, global_batch=1)).fits
 
 
-def plan(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | None = None) -> Plan:
-    """Rank every valid layout of ``model`` on ``hw`` for ``batch``; explain the winner."""
+def plan(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | None = None,
+         everything: bool = False, band: float = TIE_BAND) -> Plan:
+    """Rank every valid layout of ``model`` on ``hw`` for ``batch``; explain the winner.
+    ``everything``: also the techniques ``shardwise train`` does not run (module docstring);
+    ``band``: the relative step-time difference under which layouts tie."""
+    if not 0 <= band < 1:
+        raise PlanError("tie_band", band, "is not a fraction in [0, 1)",
+                        "give the error band as a fraction, e.g. 0.1")
     if batch.global_batch < hw.world_size and hw.world_size > 1:
         raise PlanError("global_batch", batch.global_batch,
                         f"is smaller than the {hw.world_size} devices",
                         "give at least one sequence per device, or fewer devices")
-    estimates = [estimate(lay, model, hw, batch) for lay in layouts(model, hw, batch, micro_batch)]
+    estimates = [estimate(lay, model, hw, batch)
+                 for lay in layouts(model, hw, batch, micro_batch, everything)]
     if not estimates:
         raise PlanError("micro_batch", micro_batch, "leaves no layout",
                         "use a micro-batch no larger than the global batch per replica")
-    fitting = sorted((e for e in estimates if e.fits), key=_order)
+    fitting, tied = rank([e for e in estimates if e.fits], band)
     best: dict[tuple, Estimate] = {}
     for e in fitting:
         best.setdefault(_family(e.layout), e)
+    tie_ids = {id(e) for e in fitting[:tied]}
     per_kind: dict[str, Estimate] = {}
     for e in fitting + sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_total):
         per_kind.setdefault(e.layout.kind, e)
@@ -146,5 +199,6 @@ def plan(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | None =
                   key=lambda e: e.memory_total, default=None)
     ranked = tuple(best.values())
     text = explain(rule, ranked[0] if ranked else None, guide_best, closest)
-    return Plan(model=model, hardware=hw, batch=batch, ranked=ranked, per_kind=per_kind,
+    return Plan(model=model, hardware=hw, batch=batch, ranked=ranked,
+                ties=sum(id(e) in tie_ids for e in ranked), band=band, per_kind=per_kind,
                 guide=rule, guide_best=guide_best, explanation=text)

@@ -46,3 +46,78 @@ def test_report_from_a_small_results_folder(tmp_path):
 def test_no_results_is_a_clear_refusal(tmp_path):
     with pytest.raises(SystemExit, match="no benchmark results"):
         write_report(str(tmp_path))
+
+
+def _folder_with_every_chart(tmp_path):
+    """Rows that carry each chart's figures: a ddp series at worlds 1 / 2 / 4 with metered
+    traffic, a ring row with bus bandwidths, ps rows with loss curves, a planner validation."""
+    rows = []
+    for world, ours, peer in ((1, [100.0, 110.0], [105.0, 115.0]), (2, [180.0, 190.0], [170.0, 200.0]),
+                              (4, [300.0, 320.0], [280.0, 310.0])):
+        r = _row(f"ddp-w{world}", ours, peer, 300 * 2**20, 310 * 2**20)
+        r.update(world=world, series="ddp")
+        r["ours"]["bytes_sent"] = 12 * 2**20
+        rows.append(r)
+    ring = _row("ring-busbw-w2", [1.0e9, 1.1e9], [1.2e9, 1.3e9], 200 * 2**20, 200 * 2**20)
+    ring["ours"]["extra"] = {"busbw_bytes_per_s_by_mb": {"1": 4e8, "16": 1.4e9}}
+    ring["peer_result"]["extra"] = {"busbw_bytes_per_s_by_mb": {"1": 7e8, "16": 1.2e9}}
+    rows.append(ring)
+    for mode in ("sync", "async"):
+        ps = _row(f"ps-{mode}", [3000.0, 3100.0], [], 250 * 2**20, None)
+        ps["ours"]["extra"] = {"losses": [5.5, 4.0, 3.2]}
+        rows.append(ps)
+    for r in rows:
+        (tmp_path / f"{r['row']}.json").write_text(json.dumps(r))
+    planner = {"rows": [{"strategy": "ddp", "world": 2, "step_predicted_s": 0.11,
+                         "step_measured_s": 0.12, "states_predicted": 5.3e7, "states_measured": 5.2e7}]}
+    (tmp_path / "planner_validation.json").write_text(json.dumps(planner))
+    return rows
+
+
+def test_every_chart_is_drawn_from_the_json_and_named_in_the_report(tmp_path):
+    rows = _folder_with_every_chart(tmp_path)
+    text = open(write_report(str(tmp_path))).read()
+    for png in ("throughput", "memory", "traffic", "scaling", "busbw", "ps", "planner"):
+        assert (tmp_path / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+        assert f"]({png}.png)" in text
+    assert "Not drawn" not in text
+    ddp4 = next(l for l in text.splitlines() if l.startswith("| ddp-w4"))
+    assert f"{rows[2]['throughput_ratio']:.3f}" in ddp4 and "300-320" in ddp4
+
+
+def test_a_chart_without_figures_is_named_not_drawn(tmp_path):
+    r = _row("a-vs-torch", [900.0, 1000.0], [950.0, 1250.0], 300 * 2**20, 400 * 2**20)
+    (tmp_path / "a-vs-torch.json").write_text(json.dumps(r))
+    text = open(write_report(str(tmp_path))).read()
+    assert "Not drawn" in text and "scaling" in text.split("Not drawn")[1]
+    assert not (tmp_path / "scaling.png").exists() and not (tmp_path / "planner.png").exists()
+
+
+def test_gpu_results_alone_make_a_report(tmp_path):
+    gpu = {"machine": {"date": "2026-12-01", "commit": "abc1234"}, "device": "NVIDIA H200",
+           "goal": "MFU >= 50%", "cases": [
+               {"case": "compiled", "size": "350m", "strategy": "single", "compiled": True,
+                "tokens_per_s": 123456.0, "mfu": 0.52, "peak_memory": 20 * 2**30},
+               {"case": "zero1-offload", "size": "350m", "error": "RuntimeError: out of memory"}]}
+    (tmp_path / "gpu.json").write_text(json.dumps(gpu))
+    text = open(write_report(str(tmp_path))).read()
+    assert "| 350m | compiled | single | True | 123,456 | 52.0% |" in text
+    assert "RuntimeError: out of memory" in text
+
+
+def test_row_selection_quick_set_and_refusals(capsys):
+    """--rows globs over names and families; --quick's rows all exist and cover every family;
+    a pattern that matches nothing is refused in one line (exit 2) before anything runs."""
+    from shardwise.bench.run import QUICK, all_rows, main, select
+    rows = all_rows()
+    assert set(QUICK) <= set(rows)
+    assert {rows[n][0] for n in QUICK} == {fam for fam, _ in rows.values()}
+    chosen, unmatched = select(rows, ["zero3-*", "ps"])
+    names = {r.name for r in chosen}
+    assert "zero3-vs-fsdp2" in names and "ps-sync-straggler3x" in names and not unmatched
+    assert "zero1-vs-torch-zero" not in names
+    assert main(["--rows", "nope-*"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nope-*" in err and "fix:" in err
+    assert main(["--reps", "0"]) == 2
+    assert main(["--save", "--out", "/tmp/x"]) == 2

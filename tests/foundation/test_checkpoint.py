@@ -129,8 +129,9 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(reference):
     (["--checkpoint-dir", "{root}/a-file/ck"], "train.checkpoint_dir = "),
     (["--checkpoint-dir", "{root}/ref"], "holds a checkpoint already"),
     (["--checkpoint-dir", "{root}/ref", "--resume"], "train.steps = 12: the checkpoint"),
-    (["--checkpoint-dir", "{root}/ref", "--resume", "--steps", "20", "--strategy", "pp",
-      "--pp", "2"], "cannot be resharded into this layout: pipeline stages"),
+    (["--checkpoint-async"], "train.checkpoint_async = True: needs a folder"),
+    (["--checkpoint-dir", "{root}/ref", "--resume", "--steps", "20", "--lora-rank", "4",
+      "--lora-targets", "*attn.qkv"], "cannot be resharded into this layout: LoRA adapters"),
     (["--checkpoint-dir", "{root}/ref", "--resume", "--steps", "20", "--n-embd", "64"],
      "model.n_embd = 64: differs from the checkpoint's (32)"),
 ])

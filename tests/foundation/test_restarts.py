@@ -1,11 +1,13 @@
 """``--max-restarts``: a rank killed mid-run, torchrun's agent restarts the world, the new world
 resumes from the last checkpoint and ends with the parameters of a run that was never killed.
 
-One real command line (the launcher, torchrun with ``--max-restarts 1`` and two gloo ranks of
-DDP on tiny_config's GPT, saving every 2 steps). The test watches the checkpoint folder: once
-``latest`` names step 4 or later it SIGKILLs rank 1 (found through /proc by its RANK in the
-first attempt), so the kill lands somewhere after step 4 (in a step or in a save: both must
-resume cleanly) and, with 8 steps and 4 saves left, before the end. The reference is the same config trained without checkpoints or
+One real command line (the launcher, torchrun with ``--max-restarts 3`` and two gloo ranks of
+DDP on tiny_config's GPT, 14 steps, saving every 2). The test watches the checkpoint folder and
+kills three times (KILLS): once ``latest`` names step 2 it SIGKILLs rank 1 of the first attempt
+(found through /proc by its RANK and TORCHELASTIC_RESTART_COUNT), once it names step 6 rank 0
+of the second, once it names step 10 rank 1 of the third; each kill lands somewhere after its
+step (in a step or in a save: both must resume cleanly) and before the end, so the world
+resumes from three different steps. The reference is the same config trained without checkpoints or
 kills in a forked world of 2 in this process; on CPU the resumed run must equal it bit for bit
 (the same ranks redo the same arithmetic from the same saved state: no tolerance applies),
 both the exported final parameters and every step's loss in metrics.jsonl.
@@ -30,7 +32,10 @@ from shardwise import cli
 from shardwise.runtime import init_runtime
 from shardwise.train import train
 
-STEPS, KILL_AFTER = 12, 4
+STEPS = 14
+# (the step ``latest`` must reach, the rank to kill) for attempts 0, 1, 2: three kills, each at
+# a later step, of rank 1, then rank 0 (which serves the attempt's store), then rank 1 again
+KILLS = [(2, 1), (6, 0), (10, 1)]
 FLAGS = ["--strategy", "ddp", "--nproc-per-node", "2", "--steps", str(STEPS), "--n-layer", "2",
          "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--vocab-size", "67",
          "--dataset", "synthetic", "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "2",
@@ -38,9 +43,10 @@ FLAGS = ["--strategy", "ddp", "--nproc-per-node", "2", "--steps", str(STEPS), "-
          "--log-every", "1"]
 
 
-def _rank_pid(marker: str, rank: int) -> int | None:
-    """The pid of the first attempt's rank ``rank`` of the run whose command line has ``marker``."""
-    want = {f"RANK={rank}".encode(), b"TORCHELASTIC_RESTART_COUNT=0"}
+def _rank_pid(marker: str, rank: int, attempt: int) -> int | None:
+    """The pid of rank ``rank`` in attempt ``attempt`` of the run whose command line has
+    ``marker``."""
+    want = {f"RANK={rank}".encode(), f"TORCHELASTIC_RESTART_COUNT={attempt}".encode()}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -77,39 +83,54 @@ def _losses(path: str) -> list[float]:
         return [json.loads(line)["loss"] for line in fh]
 
 
-# on a quiet machine the run takes about 15 s (two starts of a world of 2); the limits are for
-# a loaded one, where each start of the launcher, torchrun and the ranks can take a minute
-@pytest.mark.slow   # two launcher + world start-ups (~40 s quiet, 110 s loaded): pytest -m slow
-@pytest.mark.timeout(420)
-def test_a_killed_rank_restarts_the_world_and_ends_like_an_uninterrupted_run(tmp_path):
+def _kill_at(proc, ck: str, out_dir: str, attempt: int, after: int, rank: int,
+             deadline: float) -> None:
+    """Once ``latest`` names step ``after`` or later, SIGKILL rank ``rank`` of ``attempt``."""
+    pid = None
+    while _latest_step(ck) < after or pid is None:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        pid = pid or _rank_pid(out_dir, rank, attempt)
+        if pid is None or _latest_step(ck) < after:
+            time.sleep(0.002)
+    os.kill(pid, signal.SIGKILL)
+
+
+# each start of a world of 2 (launcher, torchrun, the ranks' imports) takes ~10 s on a quiet
+# machine and up to a minute on a loaded one: four starts here
+@pytest.mark.slow   # four launcher + world start-ups (~60 s quiet, 10 min at load 11): -m slow
+@pytest.mark.timeout(1200)
+def test_a_rank_killed_at_three_steps_restarts_and_ends_like_an_uninterrupted_run(tmp_path):
     from safetensors.torch import load_file
     out_dir, ck = str(tmp_path / "runs"), str(tmp_path / "ck")
     cmd = [sys.executable, "-m", "shardwise.cli", "train", *FLAGS, "--out-dir", out_dir,
            "--run-name", "restarts", "--checkpoint-dir", ck, "--checkpoint-every", "2",
-           "--max-restarts", "1"]
+           "--max-restarts", str(len(KILLS))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pid, deadline = None, time.monotonic() + 240
+    deadline = time.monotonic() + 900
     try:
-        while _latest_step(ck) < KILL_AFTER:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            pid = pid or _rank_pid(out_dir, 1)
-            time.sleep(0.002)
-        os.kill(pid or _rank_pid(out_dir, 1), signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=240)
+        for attempt, (after, rank) in enumerate(KILLS):
+            _kill_at(proc, ck, out_dir, attempt, after, rank, deadline)
+        stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
-    said = re.findall(r"^restart 1 of 1: resuming from step (\d+)$", stdout, re.M)
-    assert len(said) == 1, stdout[-3000:]
-    resumed = int(said[0])
-    assert KILL_AFTER <= resumed < STEPS and resumed % 2 == 0
+    said = re.findall(rf"^restart (\d+) of {len(KILLS)}: resuming from step (\d+)$", stdout,
+                      re.M)
+    assert [int(k) for k, _ in said] == [1, 2, 3], stdout[-3000:]
+    resumed = [int(s) for _, s in said]
+    for (after, _), step in zip(KILLS, resumed):    # each kill after its step, before the end
+        assert after <= step < STEPS and step % 2 == 0, resumed
+    assert resumed == sorted(set(resumed)), f"three different steps: {resumed}"
 
-    ref_losses, ref_params = run_world(_reference, 2, timeout=60)[0]
+    ref_losses, ref_params = run_world(_reference, 2, timeout=180)[0]
     run = os.path.join(out_dir, "restarts")
-    # the first attempt's metrics are kept beside the restarted world's
-    first = _losses(os.path.join(run, "metrics-attempt0.jsonl"))
-    assert resumed <= len(first) < STEPS and first == ref_losses[:len(first)]
-    assert _losses(os.path.join(run, "metrics.jsonl")) == ref_losses[resumed:]
+    # each attempt's metrics are kept (metrics-attempt<k>.jsonl) beside the last world's
+    starts = [0, *resumed]
+    for k, begin in enumerate(starts[:-1]):
+        seen = _losses(os.path.join(run, f"metrics-attempt{k}.jsonl"))
+        assert starts[k + 1] <= begin + len(seen) < STEPS, (k, begin, len(seen))
+        assert seen == ref_losses[begin:begin + len(seen)], f"attempt {k}"
+    assert _losses(os.path.join(run, "metrics.jsonl")) == ref_losses[resumed[-1]:]
     exported = str(tmp_path / "model.safetensors")
     assert cli.main(["checkpoint", "export", ck, "--out", exported]) == 0
     weights = load_file(exported)

@@ -111,6 +111,9 @@ def test_user_module_function_models_train(corpus, tmp_path, monkeypatch):
     trains(cfg)
     plain, _, _ = check_train(argv(corpus, tmp_path, "my_models:build_plain"))
     trains(replace(plain, train=replace(plain.train, steps=4)))
+    no_plan = [a for a in argv(corpus, tmp_path, "my_models:build") if a not in ("--strategy", "single")]
+    with pytest.raises(ConfigError, match=r"parallel\.tp = 2: .*has no model plan"):
+        check_train(no_plan + ["--strategy", "tp", "--tp", "2", "--nproc-per-node", "2"])
     for name, why in (("my_models:not_a_model", "returned a int, not an nn.Module"),
                       ("my_models:missing", "has no function 'missing'"),
                       ("no_such_pkg.models:build", "cannot be imported")):
@@ -118,13 +121,16 @@ def test_user_module_function_models_train(corpus, tmp_path, monkeypatch):
             build_model(replace(cfg.model, name=name), 0)
 
 
-def test_layouts_that_know_only_our_gpt_are_refused(corpus, tmp_path):
-    for extra, field in ((["--strategy", "tp", "--tp", "2", "--nproc-per-node", "2"], "parallel.tp"),
-                         (["--strategy", "pp", "--pp", "2", "--nproc-per-node", "2"], "parallel.pp"),
+def test_layouts_hf_models_cannot_run_yet_are_refused(corpus, tmp_path):
+    args = [a for a in argv(corpus, tmp_path, "hf:llama") if a not in ("--strategy", "single")]
+    for extra, field in ((["--strategy", "pp", "--pp", "2", "--nproc-per-node", "2"], "parallel.pp"),
                          (["--strategy", "auto"], "parallel.strategy")):
-        args = [a for a in argv(corpus, tmp_path, "hf:llama") if a not in ("--strategy", "single")]
         with pytest.raises(ConfigError, match=rf"{field} = .*not supported yet"):
             check_train(args + extra)
+    # tensor parallelism and checkpointing read the model's plan (shardwise/models/plans.py)
+    cfg, _, world = check_train(args + ["--strategy", "tp", "--tp", "2", "--nproc-per-node", "2",
+                                        "--activation-checkpointing"])
+    assert (cfg.parallel.tp, world, cfg.memory.activation_checkpointing) == (2, 2, True)
 
 
 def _zero3(rank, n, cfg):

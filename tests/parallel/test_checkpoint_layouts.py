@@ -11,13 +11,20 @@ masters offloaded to the CPU), tensor-parallel slices, a pipeline with its flat 
 parameter server (ZeRO-1 and pp2 over DDP were checked the same way when this was written). No tolerance: the same
 ranks redo the same arithmetic on the same state.
 
-Reshard (another layout or world): single (this process) saves at step 2 -> zero3 (world 2)
-resumes, saves at 4 -> ddp (world 2) resumes from zero3's step 4, saves at 5 -> single resumes
-from ddp's step 5; and single (step 4) -> tp2 (saves at 5) -> single. Every segment must equal single-process training
-continued from the same point, losses and final parameters, at fp32 rtol/atol 1e-5
-(tests/reference.py: the layouts sum gradients in another order).
+ddp with --checkpoint-async (background saves every step) is an exact pair too, and its run A
+must leave every save published, complete and in order.
 
-One forked world of 2 runs every multi-process run (ps at world 2: one ps task, one worker).
+Reshard (another layout or world): single (this process) saves at steps 2, 4, 6. The world of 4
+runs zero3 (dp 4) from single's step 2 (saves 4), tp2 x pp2 (ZeRO-1) from zero3-w4's step 4,
+and zero3 x tp2 and pp2 x dp2 (ZeRO-1, and DDP) from single's step 4 (saving every step). The world of 2 runs
+zero3 from single's step 2 (saves 4), ddp from zero3-w4's step 4 (saves 5), tp2 from single's
+step 4, and ps from single's step 2 (saves 4). This process then continues single from ddp's,
+tp2's, tp2 x pp2's and pp2 x dp2's step 5 and from ps's step 4. Every segment must equal
+single-process training continued from the same point, losses and final parameters, at fp32
+rtol/atol 1e-5 (tests/reference.py: the layouts sum gradients in another order).
+
+One forked world of 4 and one of 2 run every multi-process run (ps at world 2: one ps task,
+one worker).
 """
 import os
 import shutil
@@ -32,17 +39,17 @@ from shardwise.checkpoint import store
 from shardwise.runtime import init_runtime
 from shardwise.train import train
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(480)
 STEPS = 6
 
 
 def _cfg(strategy, folder, every=2, resume=False, steps=STEPS, dropout=0.0, memory=None,
-         **parallel):
+         train=None, **parallel):
     cfg = tiny_config(strategy, steps=steps, **parallel)
     return replace(cfg, model=replace(cfg.model, dropout=dropout),
                    memory=replace(cfg.memory, **(memory or {})),
-                   train=replace(cfg.train, checkpoint_dir=folder, checkpoint_every=every,
-                                 resume=resume),
+                   train=replace(cfg.train, **{"checkpoint_dir": folder, "resume": resume,
+                                               "checkpoint_every": every, **(train or {})}),
                    logging=replace(cfg.logging, schedule_png="off"))
 
 
@@ -62,22 +69,28 @@ def _seed(src: str, dst: str, rank: int = 0) -> None:
         store._write_atomic(os.path.join(dst, store.LATEST), name + "\n")
 
 
-EXACT = {   # name -> (strategy, parallel, memory): a pair of runs of their own
-    "zero2-offload-bf16": ("zero2", {}, {"offload": "cpu", "mixed_precision": "bf16"}),
-    "tp2": ("tp", {"tp": 2}, {}),
-    "pp2-zero1": ("3d", {"pp": 2, "zero_stage": 1}, {}),
-    "ps": ("ps", {}, {}),
+EXACT = {   # name -> (strategy, parallel, memory, train): a pair of runs of their own
+    "zero2-offload-bf16": ("zero2", {}, {"offload": "cpu", "mixed_precision": "bf16"}, {}),
+    "tp2": ("tp", {"tp": 2}, {}, {}),
+    "pp2-zero1": ("3d", {"pp": 2, "zero_stage": 1}, {}, {}),
+    "ps": ("ps", {}, {}, {}),
+    # background saves at steps 1, 2, 3 (each waits for the one before), the last at once
+    "ddp-async": ("ddp", {}, {}, {"checkpoint_async": True, "checkpoint_every": 1}),
 }
 
 
 def _exact_pair(root, name, rank, barrier):
-    strategy, parallel, memory = EXACT[name]
+    strategy, parallel, memory, train = EXACT[name]
     a, b = f"{root}/{name}-a", f"{root}/{name}-b"
-    la, pa = _train(_cfg(strategy, a, steps=4, dropout=0.1, memory=memory, **parallel))
+    la, pa = _train(_cfg(strategy, a, steps=4, dropout=0.1, memory=memory, train=train,
+                         **parallel))
+    kept = [2, 3, 4] if train.get("checkpoint_every") == 1 else [2, 4]   # the newest 3 (--keep)
+    if rank == 0:    # every save published, complete, in order
+        assert store.latest(a) == f"{a}/step-4" and store.steps(a) == kept, store.steps(a)
     _seed(f"{a}/step-2", b, rank)
     barrier()
     lb, pb = _train(_cfg(strategy, b, steps=4, resume=True, dropout=0.1, memory=memory,
-                         **parallel))
+                         train=train, **parallel))
     return la[2:], pa, lb, pb
 
 
@@ -96,18 +109,36 @@ def _world(rank, world, root):
     z = out["zero3<-single"] = _resume("zero3", f"{root}/S/step-2", f"{root}/Z", rank, barrier)
     out["zero3"] = (z[0][2:], z[1], *_resume("zero3", f"{root}/Z/step-4", f"{root}/Z2", rank,
                                              barrier))
-    d = out["ddp<-zero3"] = _resume("ddp", f"{root}/Z/step-4", f"{root}/D", rank, barrier, 1)
+    d = out["ddp<-zero3w4"] = _resume("ddp", f"{root}/Z4/step-4", f"{root}/D", rank, barrier, 1)
     out["ddp"] = (d[0][1:], d[1], *_resume("ddp", f"{root}/D/step-5", f"{root}/D2", rank,
                                            barrier))
     out["tp2<-single"] = _resume("tp", f"{root}/S/step-4", f"{root}/T", rank, barrier, 1, tp=2)
+    out["ps<-single"] = _resume("ps", f"{root}/S/step-2", f"{root}/PS", rank, barrier)
     return out
+
+
+def _world4(rank, world, root):
+    """The world-4 saves and loads: zero3 (dp 4); tp2 x pp2 (ZeRO-1 over dp 1: its tp pieces);
+    zero3 x tp2; pp2 x dp2, with ZeRO-1 (its flat dp shards) and with the DDP stage."""
+    import torch.distributed as dist
+    barrier = dist.barrier
+    return {"zero3w4<-single": _resume("zero3", f"{root}/S/step-2", f"{root}/Z4", rank, barrier),
+            "tp2pp2<-zero3w4": _resume("3d", f"{root}/Z4/step-4", f"{root}/P", rank, barrier, 1,
+                                       tp=2, pp=2, zero_stage=1),
+            "pp2dp2ddp<-single": _resume("3d", f"{root}/S/step-4", f"{root}/PD", rank, barrier,
+                                         1, pp=2),
+            "zero3tp2<-single": _resume("3d", f"{root}/S/step-4", f"{root}/ZT", rank, barrier,
+                                        1, tp=2, zero_stage=3),
+            "pp2dp2zero1<-single": _resume("3d", f"{root}/S/step-4", f"{root}/PZ", rank, barrier,
+                                           1, pp=2, zero_stage=1)}
 
 
 def test_exact_resume_every_layout_and_reshard(tmp_path):
     root = str(tmp_path)
     ref_losses, ref_params = _train(_cfg("single", f"{root}/S"))     # saves 2, 4, 6
     nothing = lambda: None                                              # noqa: E731
-    runs = run_world(_world, 2, root, timeout=240)[0]
+    runs = run_world(_world4, 4, root, timeout=240)[0]
+    runs.update(run_world(_world, 2, root, timeout=240)[0])
     runs["single"] = (ref_losses[4:], ref_params,
                       *_resume("single", f"{root}/S/step-4", f"{root}/S1", 0, nothing))
     for name in [*EXACT, "zero3", "ddp", "single"]:
@@ -116,10 +147,17 @@ def test_exact_resume_every_layout_and_reshard(tmp_path):
         for key in pa:
             assert torch.equal(pa[key], pb[key]), f"{name}: {key} differs after the resume"
     why = "fp32: another layout sums the gradients in another order (tests/reference.py)"
-    chain = {"zero3<-single": 2, "ddp<-zero3": 4, "tp2<-single": 4}
+    chain = {"zero3<-single": 2, "ddp<-zero3w4": 4, "tp2<-single": 4, "ps<-single": 2,
+             "zero3w4<-single": 2, "tp2pp2<-zero3w4": 4, "zero3tp2<-single": 4,
+             "pp2dp2zero1<-single": 4, "pp2dp2ddp<-single": 4}
     for name, start in chain.items():
         losses, params = runs[name]
-        assert_close_runs(losses, ref_losses[start:], params, ref_params, RTOL, ATOL, why)
-    for src in ("D/step-5", "T/step-5"):                # ddp -> single, tp2 -> single
-        losses, params = _resume("single", f"{root}/{src}", f"{root}/from-{src[0]}", 0, nothing)
-        assert_close_runs(losses, ref_losses[5:], params, ref_params, RTOL, ATOL, why)
+        assert_close_runs(losses, ref_losses[start:], params, ref_params, RTOL, ATOL,
+                          f"{name}: {why}")
+    # ddp -> single, tp2 -> single, tp2 x pp2 -> single, pp2 x dp2 ZeRO-1 -> single, ps -> single
+    for src in ("D/step-5", "T/step-5", "P/step-5", "PZ/step-5", "PS/step-4"):
+        losses, params = _resume("single", f"{root}/{src}", f"{root}/from-{src.split('/')[0]}",
+                                 0, nothing)
+        start = int(src.rsplit("-", 1)[1])
+        assert_close_runs(losses, ref_losses[start:], params, ref_params, RTOL, ATOL,
+                          f"{src} -> single: {why}")

@@ -23,6 +23,12 @@ def test_gpt3_json(capsys):
     assert doc["guide"]["winner_matches"] is True
     assert set(doc["winner"]["memory"]) == {"parameters", "gradients", "optimizer_states",
                                             "master_weights", "activations", "buffers"}
+    # Recomputation is an explicit choice in every row; where the winner's differs from the
+    # published run's (Megatron's full recompute), the output says so.
+    assert all(r["layout"]["recompute"] in ("none", "selective", "full") for r in doc["ranked"])
+    if doc["winner"]["layout"]["recompute"] != "full":
+        assert "used full recompute" in doc["published_note"]
+    assert doc["tie_band"] == 0.1 and doc["ties"] >= 1
 
 
 def test_table(capsys):

@@ -1,4 +1,6 @@
 """Step-time model: its parts add up, the bubble and FLOP formulas, and GPT-3 175B's month."""
+from dataclasses import replace
+
 import pytest
 
 from shardwise.planner import PRESETS, Batch, Hardware, Layout, PlanError, estimate, plan
@@ -47,7 +49,9 @@ def test_bubble_is_p_minus_1_over_m_plus_p_minus_1():
 
 
 def test_data_parallel_compute_is_flops_over_sustained_peak():
-    model, hw = PRESETS["7B"], small_machine()
+    model = PRESETS["7B"]
+    # No GEMM latency and ample bandwidth: every GEMM runs at the sustained rate (kernels.py).
+    hw = replace(small_machine(), gemm_latency=0.0, mem_bw=1e15)
     batch = Batch(64)
     e = estimate(Layout(dp=8, zero=3), model, hw, batch)
     tokens = batch.global_batch * model.seq_len
@@ -88,7 +92,9 @@ def test_bad_layouts_are_rejected_with_a_field_and_a_fix():
     with pytest.raises(PlanError, match=r"--layout: .*needs 2048 devices"):
         estimate(Layout(dp=2048), model, hw, Batch(2048))
     with pytest.raises(PlanError, match=r"--offload: "):
-        Layout(dp=2, zero=1, offload="cpu")
+        Layout(dp=2, zero=0, offload="cpu")
+    with pytest.raises(PlanError, match=r"--offload-params: .*ZeRO-3"):
+        Layout(dp=2, zero=2, offload="cpu", offload_params="cpu")
     with pytest.raises(PlanError, match=r"--zero: "):
         Layout(tp=2, dp=2, zero=3)
 

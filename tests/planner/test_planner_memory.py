@@ -5,7 +5,7 @@ number copied from the code's output.
 """
 import pytest
 
-from shardwise.planner import Batch, Hardware, Layout, estimate
+from shardwise.planner import Batch, Hardware, Layout, PlanError, estimate
 from shardwise.planner.memory import (activation_per_layer, memory, model_states, stage_params,
                                       state_bytes)
 from shardwise.planner.model import PRESETS, ModelSpec
@@ -31,7 +31,7 @@ def test_model_states_reproduce_the_zero_paper(n, precision, formula):
     for stage, expected in formula(p, n).items():
         states, offloaded = model_states(p, Layout(dp=n, zero=stage), Batch(n, precision))
         assert sum(states.values()) == pytest.approx(expected)
-        assert offloaded == 0
+        assert offloaded == {"cpu": 0.0, "disk": 0.0}
 
 
 def test_zero_paper_example_7_5b_on_64_gpus():
@@ -60,12 +60,69 @@ def test_sgd_keeps_one_moment():
 
 def test_offload_moves_master_and_optimizer_off_the_device():
     p, n = 1e9, 4
-    device, host = model_states(p, Layout(dp=n, zero=2, offload="cpu"), Batch(n))
+    device, moved = model_states(p, Layout(dp=n, zero=2, offload="cpu"), Batch(n))
     assert device == {"parameters": 2 * p, "gradients": 0, "master_weights": 0,
                       "optimizer_states": 0}
-    assert host == pytest.approx((4 + 8 + 4) * p / n)  # master, moments, fp32 gradients
-    device3, host3 = model_states(p, Layout(dp=n, zero=3, offload="disk"), Batch(n))
-    assert sum(device3.values()) == 0 and host3 == pytest.approx((4 + 8 + 4 + 2) * p / n)
+    assert moved == {"cpu": pytest.approx((4 + 8 + 4) * p / n), "disk": 0.0}  # + fp32 grads
+    # ZeRO-1 keeps its whole 16-bit gradients on the device.
+    device1, _ = model_states(p, Layout(dp=n, zero=1, offload="disk"), Batch(n))
+    assert device1["gradients"] == 2 * p and device1["optimizer_states"] == 0
+
+
+def test_every_zero3_offload_combination():
+    """ZeRO-3 with only the optimizer offloaded keeps the 2P/N parameter partition; with the
+    parameters offloaded too nothing stays; the two may go to different places."""
+    p, n = 1e9, 4
+    opt_only, moved = model_states(p, Layout(dp=n, zero=3, offload="cpu"), Batch(n))
+    assert sum(opt_only.values()) == pytest.approx(2 * p / n) == opt_only["parameters"]
+    assert moved["cpu"] == pytest.approx(16 * p / n)
+    both, moved = model_states(p, Layout(dp=n, zero=3, offload="disk", offload_params="disk"),
+                               Batch(n))
+    assert sum(both.values()) == 0 and moved["disk"] == pytest.approx((16 + 2) * p / n)
+    split, moved = model_states(p, Layout(dp=n, zero=3, offload="disk", offload_params="cpu"),
+                                Batch(n))
+    assert moved == {"cpu": pytest.approx(2 * p / n), "disk": pytest.approx(16 * p / n)}
+    params_only, moved = model_states(p, Layout(dp=n, zero=3, offload_params="cpu"), Batch(n))
+    assert params_only["parameters"] == 0 and moved["cpu"] == pytest.approx(2 * p / n)
+    assert sum(params_only.values()) == pytest.approx(14 * p / n)
+    hw = Hardware.from_catalogue("a100-80gb", devices_per_node=4)
+    e = estimate(Layout(dp=n, zero=3, offload="disk", offload_params="cpu"), PRESETS["7B"], hw,
+                 Batch(n))
+    assert e.host_per_node > 0 and e.disk_per_node > 0 and e.offload_s > 0
+
+
+def test_deepspeed_convention_counts_the_fp32_gradient_partition():
+    """DeepSpeed's estimate_zero2_model_states_mem_needs: 4P + 16P/N without offload, 2P with
+    cpu offload; estimate_zero3_model_states_mem_needs: 18P/N (+ the largest layer, buffers);
+    DDP stays 16P. The ZeRO paper's convention: 2P + 14P/N and 16P/N."""
+    p, n = 7.5e9, 64
+    ds = Batch(n, convention="deepspeed")
+    total = {z: sum(model_states(p, Layout(dp=n, zero=z), ds)[0].values()) for z in range(4)}
+    assert total[0] == pytest.approx(16 * p)
+    assert total[1] == total[2] == pytest.approx(4 * p + 16 * p / n)
+    assert total[3] == pytest.approx(18 * p / n)
+    off = model_states(p, Layout(dp=n, zero=2, offload="cpu"), ds)[0]
+    assert sum(off.values()) == pytest.approx(2 * p)
+    z3_opt = model_states(p, Layout(dp=n, zero=3, offload="cpu"), ds)[0]
+    assert sum(z3_opt.values()) == pytest.approx(2 * p / n)
+    paper = sum(model_states(p, Layout(dp=n, zero=2), Batch(n))[0].values())
+    assert paper == pytest.approx(2 * p + 14 * p / n)
+    with pytest.raises(PlanError, match="--convention: "):
+        Batch(n, convention="megatron")
+
+
+def test_selective_recompute_drops_only_the_attention_core():
+    """Korthikanti et al. 2022, section 5: selective recomputation keeps s b h (10 + 24/t)
+    (34/t with sp) per layer and recomputes the 5 a s^2 b / t of attention; its extra forward
+    FLOPs are the attention core's, 4 s h per token and layer."""
+    m = PRESETS["175B"]
+    s, h, t, b = m.seq_len, m.hidden, 8, 1
+    lay = Layout(tp=t, micro_batch=b, sequence_parallel=True, selective_recompute=True)
+    assert activation_per_layer(m, lay, Batch(1), full=True) == pytest.approx(s * b * h * 34 / t)
+    assert m.block_flops("selective") - m.block_flops() == pytest.approx(4 * s * h)
+    assert lay.recompute == "selective" and "recompute=selective" in lay.describe()
+    with pytest.raises(PlanError, match="--selective-recompute: "):
+        Layout(act_ckpt=True, selective_recompute=True)
 
 
 def test_activations_match_korthikanti_eq_2():

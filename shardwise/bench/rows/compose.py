@@ -21,8 +21,8 @@ from shardwise.models import build_model, lm_loss
 STEPS = 10
 
 
-def _cfg(**parallel):
-    return gpt_bench_config("3d", parallel=parallel, train={"steps": STEPS},
+def _cfg(steps=STEPS, **parallel):
+    return gpt_bench_config("3d", parallel=parallel, train={"steps": steps},
                             logging={"schedule_png": "off"})
 
 
@@ -34,17 +34,17 @@ def flat_3d(rank, world, **_):
     return ours_tokens_per_s(_cfg(dp=2, pp=2, bucket_mb=1000.0, overlap=False), world)
 
 
-def ours_zero3_tp(rank, world, **_):
-    return ours_tokens_per_s(_cfg(dp=world // 2, tp=2, zero_stage=3), world)
+def ours_zero3_tp(rank, world, steps=STEPS, **_):
+    return ours_tokens_per_s(_cfg(steps, dp=world // 2, tp=2, zero_stage=3), world)
 
 
-def fsdp2_dtensor_tp(rank, world, **_):
+def fsdp2_dtensor_tp(rank, world, steps=STEPS, **_):
     """FSDP2 (fully_shard over the dp mesh dimension) on DTensor TP (over the tp dimension)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     threads_for(world)
     dp, tp = world // 2, 2
-    cfg = _cfg(dp=dp, tp=tp, zero_stage=3)
+    cfg = _cfg(steps, dp=dp, tp=tp, zero_stage=3)
     data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     for block in model.blocks:
@@ -61,7 +61,7 @@ def fsdp2_dtensor_tp(rank, world, **_):
         lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    dt = timed_steps(step, STEPS - 2)
+    dt = timed_steps(step, steps - 2)
     return {"items_per_s": b * cfg.model.block_size / dt}
 
 
@@ -69,5 +69,6 @@ ROWS = [
     Row("compose-3d-buckets-vs-flat", ours_3d_buckets, flat_3d, world=4, goal="ratio >= 1.0",
         peer_name="one flat allreduce after backward (the old private path)"),
     Row("compose-zero3-tp-vs-fsdp2-tp", ours_zero3_tp, fsdp2_dtensor_tp, world=4,
-        goal="ratio >= 1.0", peer_name="FSDP2 over dp on DTensor TP (2-D DeviceMesh)"),
+        goal="ratio >= 1.0", peer_name="FSDP2 over dp on DTensor TP (2-D DeviceMesh)",
+        quick_args={"steps": 6}),
 ]

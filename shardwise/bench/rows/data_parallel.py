@@ -12,14 +12,15 @@ from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s, to
 STEPS = 14
 
 
-def ddp(rank, world, **parallel):
+def ddp(rank, world, steps=STEPS, **parallel):
     return ours_tokens_per_s(gpt_bench_config("ddp", parallel=parallel,
-                                              train={"steps": STEPS}), world)
+                                              train={"steps": steps}), world)
 
 
-def torch_ddp(rank, world, **parallel):
+def torch_ddp(rank, world, steps=STEPS, **parallel):
     return {"items_per_s": torch_ddp_tokens_per_s(gpt_bench_config("ddp"), rank, world,
-                                                  bucket_mb=parallel.get("bucket_mb", 25.0))}
+                                                  bucket_mb=parallel.get("bucket_mb", 25.0),
+                                                  steps=steps - 2)}
 
 
 def one_process_two_threads(rank, world, **parallel):
@@ -54,7 +55,7 @@ def _busbw(fn, group_size: int, nbytes: int, reps: int = 5) -> float:
 SIZES_MB = [1, 4, 16, 64]
 
 
-def _sweep(world: int, kind: str) -> dict:
+def _sweep(world: int, kind: str, reps: int) -> dict:
     from shardwise.comm.collectives import Comm
     from shardwise.comm.ring import ring_all_reduce
     from shardwise.mesh import Mesh
@@ -64,21 +65,30 @@ def _sweep(world: int, kind: str) -> dict:
         fn = lambda t: ring_all_reduce(comm, t, mesh.dp_group)
     else:
         fn = lambda t: comm.all_reduce(t, mesh.dp_group)
-    table = {mb: _busbw(fn, world, mb * 2**20) for mb in SIZES_MB}
+    table = {mb: _busbw(fn, world, mb * 2**20, reps) for mb in SIZES_MB}
     return {"items_per_s": table[16], "extra": {"busbw_bytes_per_s_by_mb": table}}
 
 
-def ring_sweep(rank, world):
-    return _sweep(world, "ring")
+def ring_sweep(rank, world, reps=5):
+    return _sweep(world, "ring", reps)
 
 
-def gloo_sweep(rank, world):
-    return _sweep(world, "native")
+def gloo_sweep(rank, world, reps=5):
+    return _sweep(world, "native", reps)
 
 
 ROWS = [
+    # the same row at world 1, 2 and 4 (series "ddp": the report's scaling chart); the global
+    # batch stays 8 (strong scaling), on however many cores the machine has
+    Row("ddp-vs-torch-ddp-w1", ddp, torch_ddp, world=1, args={"bucket_mb": 25.0},
+        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel", series="ddp",
+        quick_args={"steps": 6}),
     Row("ddp-vs-torch-ddp", ddp, torch_ddp, world=2, args={"bucket_mb": 25.0},
-        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel"),
+        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel", series="ddp",
+        quick_args={"steps": 6}),
+    Row("ddp-vs-torch-ddp-w4", ddp, torch_ddp, world=4, args={"bucket_mb": 25.0},
+        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel", series="ddp",
+        quick_args={"steps": 6}),
     Row("ddp-ring-vs-torch-ddp", ddp, torch_ddp, world=2, args={"bucket_mb": 25.0, "allreduce": "ring"},
         goal="ratio >= 1.0", peer_name="torch DistributedDataParallel"),
     Row("ddp-overlap-off-vs-on", ddp, ddp_overlap_on, world=2, args={"bucket_mb": 1.0, "overlap": False},
@@ -89,7 +99,7 @@ ROWS = [
     Row("dp-vs-ddp", dp_replicas, ddp, world=1, peer_world=2, args={"bucket_mb": 25.0},
         goal="single-process DP below DDP (GIL, reduction on replica 0)",
         peer_name="shardwise DDP, 2 processes"),
-    Row("ring-busbw-w2", ring_sweep, gloo_sweep, world=2, args={},
+    Row("ring-busbw-w2", ring_sweep, gloo_sweep, world=2, args={}, quick_args={"reps": 3},
         goal="ring >= 0.9x gloo at 16 MB and above", peer_name="gloo all_reduce"),
     Row("ring-busbw-w4", ring_sweep, gloo_sweep, world=4, args={},
         goal="ring >= 0.9x gloo at 16 MB and above", peer_name="gloo all_reduce"),

@@ -13,4 +13,5 @@ def peer(rank, world, steps):
 
 
 ROWS = [Row("single-vs-torch", ours, peer, world=1, args={"steps": 14},
+            quick_args={"steps": 6},
             goal="ratio >= 0.98 (the loop costs nothing)", peer_name="plain PyTorch loop")]

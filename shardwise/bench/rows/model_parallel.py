@@ -1,4 +1,7 @@
-"""Model-parallel rows: shardwise's pipeline against torch.distributed.pipelining (GPipe, 1F1B),
+"""Model-parallel rows: shardwise's pipeline against torch.distributed.pipelining (GPipe, 1F1B,
+interleaved 1F1B against ScheduleInterleaved1F1B with 2 chunks per rank, ZB-H1 against
+ScheduleInterleavedZeroBubble with one stage per rank: torch's split-backward schedule on the
+same single-chunk pipeline, which is what ZB-H1 is; ScheduleZBVZeroBubble needs two chunks),
 shardwise's tensor parallel against DTensor tensor parallel, and the measured bubble against
 (p-1)/(m+p-1) for p = 2, 4 and m = 1, 2, 4, 8 (an ours-only row whose ``extra`` is the table).
 Same benchmark GPT (shardwise.bench.harness.gpt_bench_config), same world (2), same run."""
@@ -24,6 +27,48 @@ def _cfg(strategy: str, **parallel):
 
 def ours_pp(rank, world, schedule):
     return ours_tokens_per_s(_cfg("pp", pp=world, schedule=schedule, num_microbatches=MICRO), world)
+
+
+def ours_pp_multi(rank, world, schedule, v):
+    extra = {"virtual_stages": v} if v > 1 else {}
+    return ours_tokens_per_s(_cfg("pp", pp=world, schedule=schedule, num_microbatches=MICRO,
+                                  **extra), world)
+
+
+def torch_pipelining_multi(rank, world, schedule, v):
+    """torch's multi-stage schedules on the same cut: ``v`` chunks per rank (stage indices
+    rank + c * world, as shardwise's VirtualStages), ScheduleInterleaved1F1B for
+    interleaved-1f1b and ScheduleInterleavedZeroBubble (backward split into input and weight
+    gradients) for zb-h1."""
+    from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
+    from shardwise.parallel.pipeline.stage import PipelineStage as Cut, stage_bounds
+    threads_for(world)
+    cfg = _cfg("pp", pp=world)
+    data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
+    n = world * v
+    bounds = stage_bounds(model, n)
+    parts = [Cut(model, bounds, rank + c * world) for c in range(v)]
+    stages = [PipelineStage(part, rank + c * world, n, torch.device("cpu"))
+              for c, part in enumerate(parts)]
+    cls = ScheduleInterleaved1F1B if schedule == "interleaved-1f1b" else \
+        ScheduleInterleavedZeroBubble
+    pipe = cls(stages, MICRO, loss_fn=lm_loss)
+    params = [q for part in parts for q in part.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95))
+    b, state = cfg.train.batch_size, {"step": 0}
+
+    def step():
+        x, y = data.batch(state["step"], b)
+        state["step"] += 1
+        if rank == 0:
+            pipe.step(x)
+        else:
+            pipe.step(target=y, losses=[])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dt = timed_steps(step, STEPS - 2)
+    return {"items_per_s": b * cfg.model.block_size / dt}
 
 
 def ours_tp(rank, world, **_):
@@ -100,9 +145,13 @@ def bubble_table(rank, world):
     table, rate = [], None
     for p in (2, 4):
         for m in (1, 2, 4, 8):
-            for schedule in ("gpipe", "1f1b"):
+            for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
+                                ("zb-h1", 1)):
+                if p * v > 4:                   # the benchmark GPT has 4 blocks
+                    continue
+                extra = {"virtual_stages": v} if v > 1 else {}
                 cfg = gpt_bench_config("3d", parallel={"pp": p, "dp": world // p, "schedule": schedule,
-                                                       "num_microbatches": m},
+                                                       "num_microbatches": m, **extra},
                                        train={"batch_size": 16}, logging={"schedule_png": "off"})
                 rt = init_runtime(cfg)
                 engine = prepare(build_model(cfg.model, 0), optimizer_factory(cfg), cfg,
@@ -115,7 +164,7 @@ def bubble_table(rank, world):
                     engine.train_step(x, y)
                     bubbles.append(engine.strategy.pipeline_report()["bubble_measured"])
                 rep = engine.strategy.report
-                table.append({"p": p, "m": m, "schedule": schedule,
+                table.append({"p": p, "m": m, "schedule": schedule, "v": v,
                               "bubble_measured": statistics.median(bubbles),
                               "bubble_formula": rep["bubble_formula"],
                               "peak_in_flight": rep["peak_in_flight"]})
@@ -129,6 +178,12 @@ ROWS = [
         goal="ratio >= 1.0", peer_name="torch.distributed.pipelining ScheduleGPipe"),
     Row("mp-pp-1f1b-vs-torch", ours_pp, torch_pipelining, world=2, args={"schedule": "1f1b"},
         goal="ratio >= 1.0", peer_name="torch.distributed.pipelining Schedule1F1B"),
+    Row("mp-pp-interleaved-vs-torch", ours_pp_multi, torch_pipelining_multi, world=2,
+        args={"schedule": "interleaved-1f1b", "v": 2}, goal="ratio >= 1.0",
+        peer_name="torch.distributed.pipelining ScheduleInterleaved1F1B (2 chunks per rank)"),
+    Row("mp-pp-zbh1-vs-torch", ours_pp_multi, torch_pipelining_multi, world=2,
+        args={"schedule": "zb-h1", "v": 1}, goal="ratio >= 1.0",
+        peer_name="torch.distributed.pipelining ScheduleInterleavedZeroBubble (1 stage per rank)"),
     Row("mp-tp-vs-dtensor", ours_tp, dtensor_tp, world=2, goal="ratio >= 1.0",
         peer_name="DTensor ColwiseParallel / RowwiseParallel"),
     Row("mp-bubble", bubble_table, None, world=4, goal="measured bubble vs (p-1)/(m+p-1)"),

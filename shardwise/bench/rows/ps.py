@@ -20,24 +20,25 @@ BENCH = {"data": {"dataset": "stdlib", "max_bytes": 1_000_000},
          "logging": {"log_every": STEPS}}  # no mid-run logging collective to pace async
 
 
-def _cfg(strategy, **parallel):
-    return gpt_bench_config(strategy, parallel=parallel, **BENCH)
+def _cfg(strategy, steps=STEPS, **parallel):
+    bench = {**BENCH, "train": {**BENCH["train"], "steps": steps}, "logging": {"log_every": steps}}
+    return gpt_bench_config(strategy, parallel=parallel, **bench)
 
 
-def ps_run(rank, world, **parallel):
+def ps_run(rank, world, steps=STEPS, **parallel):
     from shardwise.runtime import init_runtime
     from shardwise.train import train
     threads_for(world)
-    cfg = _cfg("ps", **parallel)
+    cfg = _cfg("ps", steps, **parallel)
     rt = init_runtime(cfg)
     s = train(cfg, rt, quiet=True)
     stats = s["engine"].strategy.stats()
     meter = rt.comm.meter.snapshot()
     params = sum(p.numel() * p.element_size() for p in s["engine"].model.parameters())
-    busiest = (meter["ps_push"]["bytes_recv"] + meter["ps_pull"]["bytes_sent"]) / STEPS
+    busiest = (meter["ps_push"]["bytes_recv"] + meter["ps_pull"]["bytes_sent"]) / steps
     n = world - cfg.parallel.num_ps
     stale = [r["staleness"] for r in stats.get("records", [])]
-    items = STEPS * cfg.train.batch_size * cfg.model.block_size
+    items = steps * cfg.train.batch_size * cfg.model.block_size
     return {"items_per_s": items / s["wall_seconds"], "bytes_sent": busiest,
             "extra": {"losses": s["losses"], "model_bytes": params,
                       "busiest_ps_bytes_per_step": busiest,
@@ -47,14 +48,14 @@ def ps_run(rank, world, **parallel):
                       "applied": stats.get("applied")}}
 
 
-def allreduce_dp(rank, world, **parallel):
+def allreduce_dp(rank, world, steps=STEPS, **parallel):
     """The same 2 workers, gradients averaged by an allreduce (metered), rank 1 at 3x."""
     from shardwise.comm.collectives import Comm
     from shardwise.data import build_data
     from shardwise.mesh import Mesh
     from shardwise.models import build_model, loss_for
     threads_for(world)
-    cfg = _cfg("ddp")
+    cfg = _cfg("ddp", steps)
     mesh, comm = Mesh.build(1, world, 1), Comm()
     model, data = build_model(cfg.model, cfg.train.seed), build_data(cfg)
     loss_fn, opt = loss_for(cfg.model), torch.optim.AdamW(model.parameters(), lr=1e-3,
@@ -62,7 +63,7 @@ def allreduce_dp(rank, world, **parallel):
     params = list(model.parameters())
     flat = torch.empty(sum(p.numel() for p in params))
     losses, t_start = [], time.perf_counter()
-    for step in range(STEPS):
+    for step in range(steps):
         t0 = time.perf_counter()
         x, y = data.batch(step, cfg.train.batch_size, rank, world)
         loss = loss_fn(model(x), y)
@@ -76,20 +77,21 @@ def allreduce_dp(rank, world, **parallel):
         opt.zero_grad()
         losses.append(float(loss.detach()))
     wall = time.perf_counter() - t_start
-    sent = comm.meter.snapshot()["all_reduce"]["bytes_sent"] / STEPS
-    return {"items_per_s": STEPS * cfg.train.batch_size * cfg.model.block_size / wall,
+    sent = comm.meter.snapshot()["all_reduce"]["bytes_sent"] / steps
+    return {"items_per_s": steps * cfg.train.batch_size * cfg.model.block_size / wall,
             "bytes_sent": sent, "extra": {"losses": losses, "allreduce_bytes_per_worker": sent}}
 
 
 _PEER = "allreduce DP, 2 workers, same straggler"
 ROWS = [
     Row("ps-sync-straggler3x", ps_run, allreduce_dp, world=3, peer_world=2, peer_name=_PEER,
-        args={"num_ps": 1, "ps_mode": "sync", "straggler": "1:3"},
+        args={"num_ps": 1, "ps_mode": "sync", "straggler": "1:3"}, quick_args={"steps": 10},
         goal="sync paced by the straggler; traffic at the ps vs allreduce"),
     Row("ps-async-straggler3x", ps_run, None, world=3,
-        args={"num_ps": 1, "ps_mode": "async", "straggler": "1:3"},
+        args={"num_ps": 1, "ps_mode": "async", "straggler": "1:3"}, quick_args={"steps": 10},
         goal="faster than sync with a 3x straggler"),
     Row("ps-ssp2-straggler3x", ps_run, None, world=3,
         args={"num_ps": 1, "ps_mode": "ssp", "staleness": 2, "straggler": "1:3"},
+        quick_args={"steps": 10},
         goal="between sync and async"),
 ]

@@ -19,8 +19,8 @@ STEPS = 14
 BIG = {"model": {"n_layer": 4, "n_embd": 512, "block_size": 64}, "train": {"steps": 6}}
 
 
-def _ours(strategy: str, world: int, overrides: dict, **parallel) -> dict:
-    train = {"steps": STEPS, **overrides.get("train", {})}
+def _ours(strategy: str, world: int, overrides: dict, steps: int = STEPS, **parallel) -> dict:
+    train = {"steps": steps, **overrides.get("train", {})}
     sections = {k: v for k, v in overrides.items() if k != "train"}
     out = ours_tokens_per_s(gpt_bench_config(strategy, parallel=parallel, train=train,
                                              **sections), world)
@@ -49,7 +49,7 @@ def zero3_big_no_offload(rank, world, **parallel):
     return zero3_big(rank, world, **{**parallel, "offload": "none"})
 
 
-def fsdp2(rank, world, **parallel):
+def fsdp2(rank, world, steps=STEPS, **parallel):
     """torch FSDP2: fully_shard on each block, then on the root (the documented recipe)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -60,10 +60,10 @@ def fsdp2(rank, world, **parallel):
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
     cfg = gpt_bench_config("zero3")
-    return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, wrap=wrap, steps=STEPS - 2)}
+    return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, wrap=wrap, steps=steps - 2)}
 
 
-def torch_zero_redundancy(rank, world, **parallel):
+def torch_zero_redundancy(rank, world, steps=STEPS, **parallel):
     """torch DDP with ZeroRedundancyOptimizer(AdamW): PyTorch's ZeRO-1."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -83,7 +83,7 @@ def torch_zero_redundancy(rank, world, **parallel):
         lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"items_per_s": b * cfg.model.block_size / timed_steps(step, STEPS - 2)}
+    return {"items_per_s": b * cfg.model.block_size / timed_steps(step, steps - 2)}
 
 
 def _memory_side(kind: str, rank: int, world: int, **args) -> dict:
@@ -113,17 +113,21 @@ def torch_ddp_memory(rank, world, **args):
 
 FSDP2 = "torch FSDP2 (fully_shard per block, then root)"
 GOAL = "throughput >= 1.0x FSDP2, peak memory <= 1.05x FSDP2"
+QUICK = {"steps": 6}   # --quick: 4 timed steps after 2 warm-up steps
 ROWS = [
-    Row("zero1-vs-torch-zero", zero1, torch_zero_redundancy, world=2, args={},
+    Row("zero1-vs-torch-zero", zero1, torch_zero_redundancy, world=2, args={}, quick_args=QUICK,
         goal="throughput >= 1.0x", peer_name="torch DDP + ZeroRedundancyOptimizer"),
-    Row("zero2-vs-fsdp2", zero2, fsdp2, world=2, args={}, goal=GOAL, peer_name=FSDP2),
-    Row("zero3-vs-fsdp2", zero3, fsdp2, world=2, args={}, goal=GOAL, peer_name=FSDP2),
+    Row("zero2-vs-fsdp2", zero2, fsdp2, world=2, args={}, quick_args=QUICK, goal=GOAL,
+        peer_name=FSDP2),
+    Row("zero3-vs-fsdp2", zero3, fsdp2, world=2, args={}, quick_args=QUICK, goal=GOAL,
+        peer_name=FSDP2),
     Row("zero3-ring-vs-fsdp2", zero3, fsdp2, world=2, args={"allreduce": "ring"}, goal=GOAL,
         peer_name=FSDP2),
     Row("zero3-vs-fsdp2-w4", zero3, fsdp2, world=4, args={}, goal=GOAL, peer_name=FSDP2),
     # memory at 57M parameters (the whole six-way table: python -m shardwise.bench.memory)
     Row("zero3-memory-57m-vs-fsdp2", zero3_memory, fsdp2_memory, world=2,
-        args={"steps": 4, "batch": 4}, goal="peak RSS <= 1.05x FSDP2", peer_name=FSDP2),
+        args={"steps": 4, "batch": 4}, quick_args={"steps": 3}, goal="peak RSS <= 1.05x FSDP2",
+        peer_name=FSDP2),
     Row("zero2-memory-57m-vs-torch-ddp", zero2_memory, torch_ddp_memory, world=2,
         args={"steps": 4, "batch": 4}, goal="peak RSS < torch DDP's", peer_name="torch DDP"),
     Row("zero3-offload-disk-vs-none", zero3_big, zero3_big_no_offload, world=2,

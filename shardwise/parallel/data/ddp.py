@@ -82,9 +82,9 @@ class DDPStrategy(Strategy):
                 self.comm.broadcast(t.data, 0, self.group, name="ddp_broadcast")
 
     # -- backward: launch each bucket's reduction as soon as it is ready ------------------------
-    def forward(self, x: torch.Tensor):
+    def forward(self, *args, **kwargs):
         self.begin_pass()
-        return super().forward(x)       # autocast; saved activations measured (ledger.py)
+        return super().forward(*args, **kwargs)   # autocast; activations measured (ledger.py)
 
     def begin_pass(self) -> None:
         """Before a forward: re-attach dropped ``.grad`` views, count a new backward, take dp

@@ -2,9 +2,10 @@
 
 Units, by policy (as FSDP's auto-wrap): every module of a *unit class* is one unit, wherever it
 sits in the tree (the outermost one when they nest). The classes are ``parallel.zero3_units``
-(comma-separated class names), or by default the largest repeated module class: the class that
-occurs at least twice and has the most parameters per instance (shardwise's ``Block``, HF's
-``GPT2Block`` / ``LlamaDecoderLayer``). Every other child module with parameters and no unit
+(comma-separated class names), or by default the class of the blocks the model's plan names
+(models/plans.py: shardwise's ``Block``, HF's ``GPT2Block`` / ``LlamaDecoderLayer``, a registered
+plan's), else the largest repeated module class: the class that occurs at least twice and has
+the most parameters per instance. Every other child module with parameters and no unit
 inside is a unit of its own (for our GPT: tok_emb, pos_emb, ln_f, head); a module's own direct
 parameters form a unit on that module. Tied parameters (used by two modules, e.g. HF GPT-2's
 ``lm_head.weight is transformer.wte.weight``) go to the root unit, which is gathered around the
@@ -47,6 +48,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from shardwise.comm.flat import alloc_storage, free_storage, storage_bytes
+from shardwise.models.plans import block_class_names
 from shardwise.parallel.data.zero_base import Chunk, ZeroBase
 
 FREE, INFLIGHT, HELD = "free", "inflight", "held"
@@ -135,7 +137,7 @@ class Zero3Strategy(ZeroBase):
     def wrap(self, model, optimizer_factory) -> None:
         self._adopt(model, optimizer_factory)
         names = getattr(self.cfg.parallel, "zero3_units", "")
-        classes = [c.strip() for c in names.split(",") if c.strip()] or None
+        classes = [c.strip() for c in names.split(",") if c.strip()] or block_class_names(model)
         self.units = split_units(self.model, classes, trainable_only=True)
         for index, (module, params) in enumerate(self.units):
             c = self._make_chunk(params, full_sharded=True)

@@ -21,8 +21,11 @@ class ZeroStateMixin:
         names = {p: n for n, p in self.model.named_parameters()}
         out = {}
         for c in self.chunks:
-            full = torch.empty(c.layout.padded, dtype=torch.float32, device=c.master.device)
-            self._all_gather(full, c.master.detach(), async_op=False, name="zero_state_ag")
+            # on the compute device: with offload the master is on CPU, and NCCL gathers only
+            # device tensors (a no-op move on CPU)
+            full = torch.empty(c.layout.padded, dtype=torch.float32, device=self.device)
+            self._all_gather(full, c.master.detach().to(self.device), async_op=False,
+                             name="zero_state_ag")
             for p, view in zip(c.params, c.layout.views(full)):
                 out[names[p]] = view.detach().cpu().clone()
         for n, p in self.model.named_parameters():
@@ -97,8 +100,8 @@ class ZeroStateMixin:
                     v = self.optimizer.state.get(view, {}).get(key)
                     if v is not None:
                         shard[lo:hi].copy_(v)
-                full = torch.empty(c.layout.padded, dtype=torch.float32, device=c.master.device)
-                self._all_gather(full, shard, async_op=False, name="zero_state_ag")
+                full = torch.empty(c.layout.padded, dtype=torch.float32, device=self.device)
+                self._all_gather(full, shard.to(self.device), async_op=False, name="zero_state_ag")
                 for p, v in zip(c.params, c.layout.views(full)):
                     out.setdefault(names[p], {})[key] = v.detach().cpu().clone()
         if self.plan is not None:           # tensor parallel: whole tensors from the tp pieces

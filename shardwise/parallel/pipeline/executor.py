@@ -27,7 +27,11 @@ are waited at the end of the step (comm/p2p.py); receives are waited before the 
 uses them.
 
 Records: ``(op, mb, t0, t1)`` per action with wall-clock times (time.time(), comparable between
-processes of one host), and each action's chunk in ``chunks``, for timeline.py.
+processes of one host), and each action's chunk in ``chunks``, for timeline.py. On CUDA the
+host returns before the kernels finish, so each action is bracketed by CUDA events instead
+(no synchronisation between actions): the step synchronises once at its start (taking the
+host time of a reference event) and once at its end, and an action's times are the reference
+time plus its events' elapsed time from the reference.
 """
 from __future__ import annotations
 
@@ -52,6 +56,32 @@ class StepRecord:
     records: list = field(default_factory=list)   # (op, mb, t0, t1)
     peak_in_flight: int = 0
     chunks: list = field(default_factory=list)    # the chunk of each record
+
+
+class _Clock:
+    """Action times: time.time() on CPU; on CUDA events resolved against a reference event."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            self.host0 = time.time()
+            self.ref = torch.cuda.Event(enable_timing=True)
+            self.ref.record()
+
+    def now(self):
+        if not self.cuda:
+            return time.time()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def resolve(self, records: list) -> list:
+        if not self.cuda:
+            return records
+        torch.cuda.synchronize()
+        at = lambda e: self.host0 + self.ref.elapsed_time(e) / 1000.0
+        return [(op, mb, at(t0), at(t1)) for op, mb, t0, t1 in records]
 
 
 class PipelineExecutor:
@@ -94,18 +124,20 @@ class PipelineExecutor:
         self._loss = torch.zeros((), device=self.device)
         self._in_flight: list = []                     # sends still draining (work, tensor)
         rec = StepRecord(self.index)
+        clock = _Clock(self.device)
         for step in steps(actions):
-            t0, a = time.time(), step[0]
+            t0, a = clock.now(), step[0]
             if a.op in ("F", "B", "W"):
                 getattr(self, "_" + a.op)(a.mb, a.chunk)
                 rec.peak_in_flight = max(rec.peak_in_flight, len(self._outputs))
             else:
                 self._transfer(step)
-            rec.records.append(("+".join(b.op for b in step), a.mb, t0, time.time()))
+            rec.records.append(("+".join(b.op for b in step), a.mb, t0, clock.now()))
             rec.chunks.append(a.chunk)
         for work, _ in self._in_flight:                # the step's sends have all arrived
             work.wait()
         self._in_flight.clear()
+        rec.records = clock.resolve(rec.records)
         return self._loss, rec
 
     def _hook(self, a: Action) -> None:

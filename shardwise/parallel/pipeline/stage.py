@@ -1,7 +1,8 @@
-"""Cutting shardwise's GPT into p pipeline stages.
+"""Cutting a model into p pipeline stages, by its plan (shardwise/models/plans.py: shardwise's
+GPT, Hugging Face GPT-2 and Llama, registered user classes).
 
-Stage s keeps a contiguous run of blocks; the first stage also keeps the embeddings (tok_emb,
-pos_emb), the last the final norm and the head. Boundaries are balanced by parameter count
+Stage s keeps a contiguous run of blocks; the first stage also keeps the embeddings (GPT:
+tok_emb, pos_emb), the last the final norm and the head, every stage the plan's shared modules. Boundaries are balanced by parameter count
 (min over cuts of the largest stage, by dynamic programming) or given as ``stage_layers``
 ('1,3' = one block on stage 0, three on stage 1). Parameters keep their single-model names
 through :meth:`PipelineStage.global_name` (``blocks.0`` of stage 1 may be ``blocks.2``).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from shardwise.models.plans import plan_of
 from shardwise.parallel.pipeline import checks
 
 
@@ -60,63 +62,111 @@ def parse_stage_layers(text: str, n_layer: int, p: int) -> list[tuple[int, int]]
     return bounds
 
 
+def _plan(model: nn.Module):
+    plan = plan_of(model)
+    if plan is None:
+        name = type(model).__name__
+        raise TypeError(f"pipeline parallelism cuts a model by its plan; {name} has none; fix: "
+                        f"shardwise.register_plan({name}, ModelPlan(...)) (shardwise/models/"
+                        "plans.py), or use --dp with --zero-stage 0-3")
+    return plan
+
+
 def stage_bounds(model: nn.Module, p: int, stage_layers: str = "") -> list[tuple[int, int]]:
-    """Block ranges of the p stages of a (full, unsplit) GPT."""
+    """Block ranges of the p stages of a (full, unsplit) model with a plan."""
+    plan = _plan(model)
+    blocks = plan.blocks_of(model)
     if stage_layers:
-        return parse_stage_layers(stage_layers, len(model.blocks), p)
-    costs = [_numel(b) for b in model.blocks]
-    first = _numel(model.tok_emb) + _numel(model.pos_emb)
-    last = _numel(model.ln_f) + _numel(model.head)
+        return parse_stage_layers(stage_layers, len(blocks), p)
+    costs = [_numel(b) for b in blocks]
+    first = sum(_numel(model.get_submodule(n)) for n in plan.first)
+    last = sum(_numel(model.get_submodule(n)) for n in plan.last)
     return balanced_bounds(costs, first, last, p)
 
 
+def _place(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register ``module`` at dotted ``path`` under ``root`` (empty containers in between), so
+    that the stage's parameter names are the model's own."""
+    *parents, leaf = path.split(".")
+    for part in parents:
+        if not hasattr(root, part):
+            setattr(root, part, nn.Module())
+        root = getattr(root, part)
+    setattr(root, leaf, module)
+
+
+def _refuse_split_ties(model: nn.Module, plan, num_stages: int) -> None:
+    """A weight the first and the last stage both use (GPT-2's wte and lm_head) would train as
+    two copies: its gradient all-reduce between those stages is not built, so it is refused."""
+    if num_stages == 1:
+        return
+    firsts = {id(q): f"{n}.{k}" for n in plan.first
+              for k, q in model.get_submodule(n).named_parameters()}
+    for n in plan.last:
+        for k, q in model.get_submodule(n).named_parameters():
+            if id(q) in firsts:
+                raise ValueError(f"{n}.{k} is tied to {firsts[id(q)]}, which the pipeline puts on "
+                                 "another stage (its tied-gradient all-reduce is not built); fix: "
+                                 "untie the weights (tie_word_embeddings=False) or use pp = 1")
+
+
 class PipelineStage(nn.Module):
-    """Stage ``index`` of ``num_stages``: the GPT's blocks [start, end) and, at the ends, the
-    embeddings or the head. forward: token ids (first stage) or the residual stream (B, T, C)
-    in; residual stream or logits out."""
+    """Stage ``index`` of ``num_stages``: the model's blocks [start, end) and, at the ends, the
+    embeddings or the final norm and head (its plan's ``first`` / ``last``; ``shared`` modules,
+    such as Llama's rotary table, on every stage). forward: token ids (first stage) or the
+    residual stream (B, T, C) in; residual stream or logits out (the plan's embed / block /
+    final pieces)."""
 
     def __init__(self, gpt: nn.Module, bounds: list[tuple[int, int]], index: int):
         super().__init__()
+        plan = _plan(gpt)
+        _refuse_split_ties(gpt, plan, len(bounds))
+        self.plan, self.prefix = plan, plan.blocks + "."
         self.index, self.num_stages = index, len(bounds)
         self.start, self.end = bounds[index]
         self.is_first, self.is_last = index == 0, index == len(bounds) - 1
-        if self.is_first:
-            self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
-        self.blocks = nn.ModuleList(gpt.blocks[self.start:self.end])
-        if self.is_last:
-            self.ln_f, self.head = gpt.ln_f, gpt.head
+        for path in (*plan.shared, *(plan.first if self.is_first else ())):
+            _place(self, path, gpt.get_submodule(path))
+        _place(self, plan.blocks, nn.ModuleList(plan.blocks_of(gpt)[self.start:self.end]))
+        for path in plan.last if self.is_last else ():
+            _place(self, path, gpt.get_submodule(path))
+
+    @property
+    def stage_blocks(self) -> nn.ModuleList:
+        return self.get_submodule(self.plan.blocks)
 
     def forward(self, x: torch.Tensor, boundaries: list | None = None) -> torch.Tensor:
         """``boundaries``, when given, receives the residual stream entering the first block and
         leaving each block (a split backward's cut points: :meth:`weight_segments`)."""
         if self.is_first:                                   # x: (B, T) token ids
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+            x = self.plan.embed(self, x)                    # (B, T, C)
         if boundaries is not None:
             boundaries.append(x)
-        for block in self.blocks:                           # (B, T, C)
-            x = block(x)
+        for block in self.stage_blocks:                     # (B, T, C)
+            x = self.plan.block(self, block, x)
             if boundaries is not None:
                 boundaries.append(x)
-        return self.head(self.ln_f(x)) if self.is_last else x
+        return self.plan.final(self, x) if self.is_last else x
 
     def weight_segments(self) -> list[tuple[int | None, list[nn.Parameter]]]:
         """This stage's trainable parameters cut at the forward's boundaries: (k, params) where
         boundary k is the segment's output (0: the embeddings, 1..L: block k-1) and None the
         head, whose output is the stage's output. Segments without trainable ones are left out."""
-        def trainable(*modules):
-            return [q for mod in modules for q in mod.parameters() if q.requires_grad]
-        segments = [(0, trainable(self.tok_emb, self.pos_emb))] if self.is_first else []
-        segments += [(k + 1, trainable(b)) for k, b in enumerate(self.blocks)]
+        def trainable(paths):
+            return [q for path in paths for q in self.get_submodule(path).parameters()
+                    if q.requires_grad]
+        segments = [(0, trainable(self.plan.first))] if self.is_first else []
+        segments += [(k + 1, [q for q in b.parameters() if q.requires_grad])
+                     for k, b in enumerate(self.stage_blocks)]
         if self.is_last:
-            segments.append((None, trainable(self.ln_f, self.head)))
+            segments.append((None, trainable(self.plan.last)))
         return [(k, params) for k, params in segments if params]
 
     def global_name(self, local: str) -> str:
         """The single-model name of one of this stage's parameters."""
-        if local.startswith("blocks."):
-            _, i, rest = local.split(".", 2)
-            return f"blocks.{int(i) + self.start}.{rest}"
+        if local.startswith(self.prefix):
+            i, rest = local[len(self.prefix):].split(".", 1)
+            return f"{self.prefix}{int(i) + self.start}.{rest}"
         return local
 
 

@@ -1,0 +1,198 @@
+"""Model plans: one small table per model family, read by every part that splits a model.
+
+A plan says, by module path (``*`` stands for a block's index):
+
+  tp        which modules tensor parallelism splits and how (:class:`Split`): ``colwise``
+            (output features split; ``parts`` interleaved groups, e.g. a fused q|k|v), ``rowwise``
+            (input features split, outputs summed), ``vocab`` (an embedding split by rows of
+            the vocabulary), ``vocab_head`` (the output head, column-parallel over the vocabulary,
+            read by the vocab-parallel loss); ``transposed`` for Hugging Face's Conv1D, whose
+            weight is (in, out), so colwise / rowwise split its other dimension. Every module not
+            named is replicated (norms, position embeddings, rotary tables).
+  heads     attributes of attention modules that hold head counts or widths the module reshapes
+            by: divided by tp after the split, so each rank runs its own heads
+  blocks    the ModuleList of transformer blocks: the units of activation checkpointing, of
+            ZeRO-3 (their class) and of the pipeline's cuts
+  first / last / shared   the pipeline: modules of the first stage (embeddings), of the last
+            (final norm, head), and those every stage keeps (Llama's rotary table, no weights)
+  sizes     the model's head counts, vocabulary and width (n_head, n_kv_head, vocab_size, n_embd;
+            a model without attention may leave the heads out; vocab_size is needed with a
+            ``vocab_head``, whose logits the vocab-parallel loss reads)
+  embed / block / final   one pipeline stage's forward, piece by piece (token ids -> residual
+            stream -> logits), matching the model's own forward
+
+Plans exist for shardwise's GPT, Hugging Face GPT2LMHeadModel and LlamaForCausalLM; a person's
+model gets one with :func:`register_plan` (``shardwise.register_plan``). The registry is keyed by
+class: a model uses the plan of the first class in its MRO that has one (the built-in ones are
+matched by class name, so that transformers is imported only by whoever builds such a model).
+This module is data: the parallel code (shardwise/parallel/) reads it; nothing here communicates.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+STYLES = ("colwise", "rowwise", "vocab", "vocab_head")
+
+
+@dataclass(frozen=True)
+class Split:
+    """How tensor parallelism splits one module (see the module docstring)."""
+    style: str
+    parts: int = 1
+    transposed: bool = False
+
+    def __post_init__(self):
+        if self.style not in STYLES:
+            raise ValueError(f"Split.style {self.style!r}: use one of {STYLES}")
+        if self.parts < 1 or (self.parts > 1 and self.style != "colwise"):
+            raise ValueError("Split.parts > 1 is for colwise modules (a fused q|k|v: parts=3)")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model family's table (the module docstring says what each field is for)."""
+    blocks: str
+    tp: dict = field(default_factory=dict)            # path -> Split
+    heads: dict = field(default_factory=dict)         # attention path -> attribute names
+    first: tuple = ()
+    last: tuple = ()
+    shared: tuple = ()
+    sizes: Callable[[nn.Module], dict] | None = None
+    embed: Callable | None = None                     # (stage, ids (B, T)) -> (B, T, C)
+    block: Callable | None = None                     # (stage, block, h (B, T, C)) -> h
+    final: Callable | None = None                     # (stage, h) -> logits (B, T, V)
+
+    def blocks_of(self, model: nn.Module) -> nn.ModuleList:
+        return model.get_submodule(self.blocks)
+
+    def matches(self, path: str, patterns) -> str | None:
+        """The pattern of ``patterns`` that names module ``path`` (None: none does)."""
+        return next((p for p in patterns if fnmatch.fnmatchcase(path, p)
+                     and path.count(".") == p.count(".")), None)
+
+    def split_of(self, path: str) -> Split | None:
+        key = self.matches(path, self.tp)
+        return None if key is None else self.tp[key]
+
+    def head_attrs(self, path: str) -> tuple:
+        key = self.matches(path, self.heads)
+        return () if key is None else tuple(self.heads[key])
+
+
+_REGISTRY: dict = {}          # class (or built-in class name) -> ModelPlan
+
+
+def register_plan(cls: type, plan: ModelPlan) -> None:
+    """Give models of class ``cls`` (and its subclasses) ``plan``: tensor and pipeline
+    parallelism, activation checkpointing and ZeRO-3's units then know how to split them."""
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(f"register_plan: {cls!r} is not an nn.Module class")
+    if not isinstance(plan, ModelPlan):
+        raise TypeError(f"register_plan: give a shardwise.models.plans.ModelPlan, not "
+                        f"{type(plan).__name__}")
+    _REGISTRY[cls] = plan
+
+
+def registered_modules() -> set[str]:
+    """The Python modules that define a class with a registered plan (user models)."""
+    return {c.__module__ for c in _REGISTRY if isinstance(c, type)}
+
+
+def plan_of(model: nn.Module) -> ModelPlan | None:
+    """The plan of ``model``'s class (None: no plan; such a model trains under dp / ZeRO)."""
+    for cls in type(model).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls]
+    for cls in type(model).__mro__:
+        if cls.__name__ in _REGISTRY and _builtin(cls):
+            return _REGISTRY[cls.__name__]
+    return None
+
+
+def _builtin(cls: type) -> bool:
+    return cls.__module__.startswith(("shardwise.models", "transformers."))
+
+
+def block_class_names(model: nn.Module) -> list[str] | None:
+    """The class names of the plan's blocks (ZeRO-3's default units), None without a plan."""
+    plan = plan_of(model)
+    if plan is None:
+        return None
+    return sorted({type(b).__name__ for b in plan.blocks_of(model)})
+
+
+# -- shardwise's GPT (models/gpt.py) -------------------------------------------------------------
+def _gpt_embed(stage, ids):
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    return stage.drop(stage.tok_emb(ids) + stage.pos_emb(pos))            # (B, T, C)
+
+
+_REGISTRY["GPT"] = ModelPlan(
+    blocks="blocks",
+    tp={"blocks.*.attn.qkv": Split("colwise", parts=3), "blocks.*.attn.proj": Split("rowwise"),
+        "blocks.*.mlp.fc": Split("colwise"), "blocks.*.mlp.proj": Split("rowwise"),
+        "tok_emb": Split("vocab"), "head": Split("vocab_head")},
+    heads={"blocks.*.attn": ("n_head",)},
+    first=("tok_emb", "pos_emb", "drop"), last=("ln_f", "head"),
+    sizes=lambda m: dict(n_head=m.cfg.n_head, n_kv_head=m.cfg.n_head,
+                         vocab_size=m.cfg.vocab_size, n_embd=m.cfg.n_embd),
+    embed=_gpt_embed, block=lambda stage, b, h: b(h),
+    final=lambda stage, h: stage.head(stage.ln_f(h)))
+
+
+# -- Hugging Face GPT-2: Conv1D weights (in, out), lm_head tied to wte ----------------------------
+def _gpt2_embed(stage, ids):
+    t = stage.transformer
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    return t.drop(t.wte(ids) + t.wpe(pos))                                 # (B, T, C)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+_REGISTRY["GPT2LMHeadModel"] = ModelPlan(
+    blocks="transformer.h",
+    tp={"transformer.h.*.attn.c_attn": Split("colwise", parts=3, transposed=True),
+        "transformer.h.*.attn.c_proj": Split("rowwise", transposed=True),
+        "transformer.h.*.mlp.c_fc": Split("colwise", transposed=True),
+        "transformer.h.*.mlp.c_proj": Split("rowwise", transposed=True),
+        "transformer.wte": Split("vocab"), "lm_head": Split("vocab_head")},
+    heads={"transformer.h.*.attn": ("num_heads", "split_size", "embed_dim")},
+    first=("transformer.wte", "transformer.wpe", "transformer.drop"),
+    last=("transformer.ln_f", "lm_head"),
+    sizes=lambda m: dict(n_head=m.config.n_head, n_kv_head=m.config.n_head,
+                         vocab_size=m.config.vocab_size, n_embd=m.config.n_embd),
+    embed=_gpt2_embed, block=lambda stage, b, h: _first(b(h)),
+    final=lambda stage, h: stage.lm_head(stage.transformer.ln_f(h)))
+
+
+# -- Hugging Face Llama: RMSNorm and rotary replicated, grouped-query attention -------------------
+def _llama_block(stage, block, h):
+    pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)          # (1, T)
+    rope = stage.model.rotary_emb(h, position_ids=pos)                     # (cos, sin)
+    return _first(block(h, attention_mask=None, position_embeddings=rope, position_ids=pos))
+
+
+_REGISTRY["LlamaForCausalLM"] = ModelPlan(
+    blocks="model.layers",
+    tp={"model.layers.*.self_attn.q_proj": Split("colwise"),
+        "model.layers.*.self_attn.k_proj": Split("colwise"),
+        "model.layers.*.self_attn.v_proj": Split("colwise"),
+        "model.layers.*.self_attn.o_proj": Split("rowwise"),
+        "model.layers.*.mlp.gate_proj": Split("colwise"),
+        "model.layers.*.mlp.up_proj": Split("colwise"),
+        "model.layers.*.mlp.down_proj": Split("rowwise"),
+        "model.embed_tokens": Split("vocab"), "lm_head": Split("vocab_head")},
+    heads={},        # its attention reshapes by head_dim (-1 heads): nothing to divide
+    first=("model.embed_tokens",), last=("model.norm", "lm_head"), shared=("model.rotary_emb",),
+    sizes=lambda m: dict(n_head=m.config.num_attention_heads,
+                         n_kv_head=m.config.num_key_value_heads,
+                         vocab_size=m.config.vocab_size, n_embd=m.config.hidden_size),
+    embed=lambda stage, ids: stage.model.embed_tokens(ids), block=_llama_block,
+    final=lambda stage, h: stage.lm_head(stage.model.norm(h)))

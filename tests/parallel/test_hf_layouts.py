@@ -1,0 +1,216 @@
+"""Tensor parallelism and ZeRO-3 over dp x tp on models we did not write, by their plans
+(shardwise/models/plans.py): Hugging Face GPT-2 (Conv1D weights (in, out), lm_head tied to wte),
+Hugging Face Llama (RMSNorm, rotary, 4 query heads over 2 key-value heads) and a user's own
+class with a registered plan, each against single-process training.
+
+Every run is what a user does: ranks seeded differently before ``prepare`` (tp slices are cut
+from global rank 0's weights), two AdamW parameter groups, clipping that binds at every step,
+losses of every step and the gathered parameters compared with one process on the whole batch.
+The pipeline pieces (stage cuts of both models, chained) are checked in one process: each
+stage runs the model's own modules, so the chain equals the model's forward exactly.
+
+Tolerance: fp32 rtol 1e-5, atol 1e-5 (tests/reference.py says why): tp splits the matmul sums
+and the vocab-parallel loss sums exp over two halves, dp averages ranks' gradients, each in
+another order than the single process; Adam amplifies near-zero elements (its first steps are
+about lr * sign(g) whatever |g|, so lr is 1e-3: reordering moves such an element by a small
+fraction of lr, under atol; at 1e-2 one LayerNorm weight of GPT-2 drifted 3e-5). GPT-2's key bias has
+a true gradient of exactly 0 (softmax ignores a row-wide constant): what it gets is rounding
+noise, which Adam turns into steps of up to lr, so its drift is bounded by lr per step.
+"""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from harness import run_world
+from models_hf import SEQ, VOCAB, lm_loss, tiny_gpt2, tiny_llama, token_batches, two_groups
+from reference import ATOL, RTOL
+
+from shardwise.models.plans import ModelPlan, Split, plan_of, register_plan
+
+pytestmark = pytest.mark.timeout(300)
+STEPS, BATCH, MAX_NORM, SEED, LR = 4, 8, 0.5, 100, 1e-3
+WHY = "fp32; tp, the vocab-parallel loss and dp sum in other orders than one process"
+KEY_BIAS_ATOL = LR * STEPS      # lr per step (module docstring)
+
+
+class Mix(nn.Module):
+    """A user's block: a residual MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, h):                                    # (B, T, 32)
+        return h + self.down(F.gelu(self.up(h)))
+
+
+class TinyLM(nn.Module):
+    """A user's own language model (not ours, not Hugging Face's), with a plan registered below."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.layers = nn.ModuleList(Mix() for _ in range(2))
+        self.out = nn.Linear(32, VOCAB)
+
+    def forward(self, ids):                                  # (B, T) -> (B, T, V)
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+register_plan(TinyLM, ModelPlan(
+    blocks="layers", tp={"layers.*.up": Split("colwise"), "layers.*.down": Split("rowwise"),
+                         "emb": Split("vocab"), "out": Split("vocab_head")},
+    sizes=lambda m: dict(vocab_size=VOCAB)))
+
+
+def tiny_user(seed):
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+BUILD = {"gpt2": tiny_gpt2, "llama": tiny_llama, "user": tiny_user}
+
+
+def _cfg(strategy, ckpt=False, **parallel):
+    from shardwise.config import Config, MemoryConfig, ParallelConfig, TrainConfig
+    return Config(parallel=ParallelConfig(strategy=strategy, **parallel),
+                  memory=MemoryConfig(activation_checkpointing=ckpt),
+                  train=TrainConfig(batch_size=BATCH, device="cpu"))
+
+
+def _single(family):
+    """The reference: rank 0's initial weights, the whole batch, torch's own clipping."""
+    model = BUILD[family](SEED)
+    opt = two_groups(LR)(list(model.parameters()))
+    losses, norms = [], []
+    for x, y in token_batches(STEPS, BATCH):
+        loss = lm_loss({"logits": model(x)} if family == "user" else model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return dict(losses=losses, norms=norms,
+                params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def _world(rank, n, runs):
+    """Each (tag, family, cfg): the model seeded by rank, prepared, trained with a user loop."""
+    import shardwise
+    out = {}
+    for tag, family, cfg in runs:
+        engine = shardwise.prepare(BUILD[family](SEED + rank), two_groups(LR), cfg, loss_fn=lm_loss)
+        losses, norms = [], []
+        for x, y in token_batches(STEPS, BATCH):
+            xs, ys = engine.shard(x, y)
+            loss = engine.loss_fn(engine(xs), ys)
+            engine.backward(loss)
+            norms.append(float(engine.strategy.clip_grad_norm_(MAX_NORM)))
+            engine.step()
+            losses.append(engine.strategy.reduce_mean(loss.detach()))
+        model = engine.strategy.model
+        out[tag] = dict(losses=losses, norms=norms, params=engine.full_state_dict(),
+                        checkpointed=sum(getattr(m, "checkpointed", False)
+                                         for m in model.modules()),
+                        units=[type(m).__name__ for m, _ in getattr(engine.strategy, "units", [])],
+                        local={k: tuple(v.shape) for k, v in model.state_dict().items()})
+        engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {f: _single(f) for f in BUILD}
+
+
+def _check(r, ref, tag):
+    for step, (a, b) in enumerate(zip(r["norms"], ref["norms"])):
+        assert b > MAX_NORM, "clipping must bind for the test to mean anything"
+        assert abs(a - b) <= ATOL + RTOL * b, f"{tag} step {step}: norm {a} vs {b} ({WHY})"
+    for step, (a, b) in enumerate(zip(r["losses"], ref["losses"])):
+        assert abs(a - b) <= ATOL + RTOL * abs(b), f"{tag} step {step}: loss {a} vs {b} ({WHY})"
+    assert r["params"].keys() == ref["params"].keys()
+    for name, want in ref["params"].items():
+        got = r["params"][name]
+        if name.endswith("attn.c_attn.bias"):     # GPT-2's (q | k | v) biases, 32 each
+            key, got, want = slice(32, 64), got.clone(), want.clone()
+            assert (got[key] - want[key]).abs().max() <= KEY_BIAS_ATOL, f"{tag} {name}"
+            got[key] = want[key]
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{tag} {name}: {m} ({WHY})")
+
+
+def test_tp2_hf_gpt2_llama_and_a_user_plan_world2(references):
+    runs = [("gpt2", "gpt2", _cfg("tp", tp=2)), ("llama", "llama", _cfg("tp", tp=2)),
+            ("llama-ckpt", "llama", _cfg("tp", ckpt=True, tp=2)),
+            ("user", "user", _cfg("tp", tp=2))]
+    results = run_world(_world, 2, runs, timeout=240)
+    for tag, family, _ in runs:
+        _check(results[0][tag], references[family], tag)
+        assert results[0][tag]["losses"] == results[1][tag]["losses"]
+    gpt2, llama = results[0]["gpt2"]["local"], results[0]["llama"]["local"]
+    # Conv1D (in, out): c_attn split on dim 1 by q | k | v groups, c_proj on dim 0
+    assert gpt2["transformer.h.0.attn.c_attn.weight"] == (32, 48)
+    assert gpt2["transformer.h.0.attn.c_proj.weight"] == (16, 32)
+    assert gpt2["transformer.wte.weight"] == gpt2["lm_head.weight"] == (34, 32)  # 67 = 34 + 33
+    # Llama: one of the two kv heads (width 8) per rank, 2 of the 4 query heads
+    assert llama["model.layers.0.self_attn.k_proj.weight"] == (8, 32)
+    assert llama["model.layers.0.self_attn.q_proj.weight"] == (16, 32)
+    assert llama["model.layers.0.mlp.down_proj.weight"] == (32, 48)
+    assert llama["model.norm.weight"] == (32,)
+    assert results[0]["llama-ckpt"]["checkpointed"] == 2 and results[0]["llama"]["checkpointed"] == 0
+    assert results[0]["user"]["local"]["layers.0.up.weight"] == (32, 32)
+
+
+def test_dp2_tp2_zero3_hf_gpt2_and_llama_world4(references):
+    runs = [(f, f, _cfg("3d", dp=2, tp=2, zero_stage=3)) for f in ("gpt2", "llama")]
+    results = run_world(_world, 4, runs, timeout=240)
+    for tag, family, _ in runs:
+        _check(results[0][tag], references[family], tag)
+    assert results[0]["llama"]["units"].count("LlamaDecoderLayer") == 2   # the plan's blocks
+    assert results[0]["gpt2"]["units"].count("GPT2Block") == 2
+
+
+def test_pipeline_stages_of_hf_models_chain_to_the_models_forward():
+    from shardwise.parallel.pipeline.stage import PipelineStage, stage_bounds
+    x = token_batches(1, 2)[0][0]
+    for model in (tiny_llama(0), tiny_gpt2(0, tie_word_embeddings=False)):
+        bounds = stage_bounds(model, 2)
+        first, last = PipelineStage(model, bounds, 0), PipelineStage(model, bounds, 1)
+        assert bounds == [(0, 1), (1, 2)]
+        assert torch.equal(last(first(x)), model(x).logits)       # the same modules, same order
+        names = {last.global_name(k) for k, _ in last.named_parameters()}
+        assert names | {k for k, _ in first.named_parameters()} == set(dict(model.named_parameters()))
+    with pytest.raises(ValueError, match="tied to transformer.wte.weight"):
+        PipelineStage(tiny_gpt2(0), [(0, 1), (1, 2)], 0)
+
+
+def test_register_plan_on_a_users_class():
+    class Wider(TinyLM):
+        pass
+    assert plan_of(Wider()) is plan_of(TinyLM()) and plan_of(Wider()).blocks == "layers"
+    assert plan_of(nn.Linear(2, 2)) is None
+    with pytest.raises(TypeError, match="not an nn.Module class"):
+        register_plan(int, plan_of(TinyLM()))
+    with pytest.raises(ValueError, match="Split.style"):
+        Split("diagonal")
+
+
+def test_llama_kv_heads_that_tp_cannot_divide_are_refused_before_launch(tmp_path):
+    from shardwise.config import ConfigError, ModelConfig
+    from shardwise.parallel import tensor_checks
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="llama", hidden_size=48, num_attention_heads=6,
+                                    num_key_value_heads=3, num_hidden_layers=2,
+                                    vocab_size=VOCAB, max_position_embeddings=SEQ)))
+    cfg = _cfg("tp", tp=2)
+    from dataclasses import replace
+    cfg = replace(cfg, model=ModelConfig(name="hf:llama", hf_config=str(path)))
+    with pytest.raises(ConfigError, match=r"parallel\.tp = 2.*3 key-value heads"):
+        tensor_checks.check(cfg, 2)
