@@ -72,8 +72,14 @@ def partition_by_bytes(sizes: list[int], num_ps: int) -> list[list[int]]:
     return [sorted(o) for o in owned]
 
 
+@torch.no_grad()
 def pack(header: tuple[float, ...], tensors, out: torch.Tensor) -> torch.Tensor:
-    """Write ``header`` then every tensor (flattened, None = zeros) into the flat ``out``."""
+    """Write ``header`` then every tensor (flattened, None = zeros) into the flat ``out``.
+
+    Without autograd: a ps task packs its parameters (leaves that require grad) into a reused
+    reply buffer, and an in-place copy under autograd would chain a new CopySlices node onto
+    that buffer's history every step, keeping each step's copy alive (the soak's ps leak, about
+    one message per worker per step)."""
     out[:HEADER] = torch.tensor(header, dtype=out.dtype)
     pos = HEADER
     for t in tensors:
@@ -83,6 +89,7 @@ def pack(header: tuple[float, ...], tensors, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@torch.no_grad()
 def unpack(flat: torch.Tensor, tensors, offset: int = HEADER) -> None:
     """Copy ``flat`` from ``offset`` on back into ``tensors`` (in place, same order as pack)."""
     pos = offset
