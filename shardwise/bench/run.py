@@ -38,7 +38,8 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 QUICK = ("single-vs-torch", "ddp-vs-torch-ddp-w1", "ddp-vs-torch-ddp", "ddp-vs-torch-ddp-w4",
          "zero1-vs-torch-zero", "zero2-vs-fsdp2", "zero3-vs-fsdp2", "zero3-memory-57m-vs-fsdp2",
          "mp-tp-vs-dtensor", "mp-pp-1f1b-vs-torch", "compose-zero3-tp-vs-fsdp2-tp",
-         "ps-sync-straggler3x", "ps-async-straggler3x", "ps-ssp2-straggler3x", "ring-busbw-w2")
+         "ps-sync-straggler3x", "ps-async-straggler3x", "ps-ssp2-straggler3x", "ring-busbw-w2",
+         "hf-llama-tp-vs-dtensor")
 QUICK_REPS = 2
 
 
