@@ -149,10 +149,10 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     finally:
         stop.__exit__()
         log.close()
-    if data.kind == "tokens":         # every rank: gathering a sharded model is a collective
-        _save_final(engine, out, main)
     summary = _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak,
                        time.perf_counter() - began, train_sent)
+    if data.kind == "tokens":   # after the summary: its gather is not the training's traffic
+        _save_final(engine, out, main)   # every rank: gathering a sharded model is a collective
     summary["start_step"] = start
     summary["checkpoint"] = checkpoint.store.latest(cfg.train.checkpoint_dir) \
         if cfg.train.checkpoint_dir else None
