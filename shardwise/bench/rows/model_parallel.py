@@ -56,6 +56,12 @@ def torch_pipelining_multi(rank, world, schedule, v):
     pipe = cls(stages, MICRO, loss_fn=lm_loss)
     params = [q for part in parts for q in part.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95))
+    return _timed_pipeline(pipe, opt, data, cfg, rank)
+
+
+def _timed_pipeline(pipe, opt, data, cfg, rank: int) -> dict:
+    """Tokens/s of a torch.distributed.pipelining schedule (rank 0 feeds the inputs, the
+    other ranks pass the targets), one AdamW step per batch: the step loop every torch pipelining peer shares."""
     b, state = cfg.train.batch_size, {"step": 0}
 
     def step():
@@ -87,19 +93,7 @@ def torch_pipelining(rank, world, schedule):
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     pipe = cls(stage, MICRO, loss_fn=lm_loss)
     opt = torch.optim.AdamW(part.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))
-    b, state = cfg.train.batch_size, {"step": 0}
-
-    def step():
-        x, y = data.batch(state["step"], b)
-        state["step"] += 1
-        if rank == 0:
-            pipe.step(x)
-        else:
-            pipe.step(target=y, losses=[])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    dt = timed_steps(step, STEPS - 2)
-    return {"items_per_s": b * cfg.model.block_size / dt}
+    return _timed_pipeline(pipe, opt, data, cfg, rank)
 
 
 def dtensor_block(block, tp_mesh, tp: int, c: int) -> None:
