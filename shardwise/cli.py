@@ -490,10 +490,18 @@ def entry() -> int:
     """The console script: ``main``, quiet when its reader goes away (``shardwise | head``)."""
     import os
     try:
-        return main()
+        code = main()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    if sys.argv[1:2] == ["train"]:
+        # a finished or stopped run has closed its logs and checkpoints; what is left is the
+        # interpreter's final garbage collection of torch's objects (2.5 s here, more on a
+        # loaded machine), which would hold a stopped run past its promptness
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

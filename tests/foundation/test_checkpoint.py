@@ -59,10 +59,14 @@ def reference(tmp_path_factory):
     return root, losses, params
 
 
-def _stopped_run(rank, world, root):
-    """SIGTERM to this process once 2 steps are logged; then resume in a fresh engine."""
-    cfg = _cfg(root, f"{root}/sig", "sig", every=0)
-    metrics = os.path.join(root, "sig", "metrics.jsonl")
+def _stopped_run(rank, world, root, background):
+    """SIGTERM to this process once 2 steps are logged; then resume in a fresh engine.
+    ``background``: save every step with --checkpoint-async, so the stop lands while the save
+    of its own step may still be in the writer thread (the stop must wait for it)."""
+    name = "sig-async" if background else "sig"
+    cfg = _cfg(root, f"{root}/{name}", name, every=1 if background else 0)
+    cfg = replace(cfg, train=replace(cfg.train, checkpoint_async=background))
+    metrics = os.path.join(root, name, "metrics.jsonl")
 
     def watch():
         while not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 2):
@@ -74,17 +78,18 @@ def _stopped_run(rank, world, root):
         return None                        # finished before the signal landed
     except Stopped:
         pass
-    stopped_at = json.load(open(os.path.join(root, "sig", "stopped.json")))["step"]
-    saved = store.read_meta(store.latest(f"{root}/sig"))["step"]
+    stopped_at = json.load(open(os.path.join(root, name, "stopped.json")))["step"]
+    saved = store.read_meta(store.latest(f"{root}/{name}"))["step"]
     resumed = replace(cfg, train=replace(cfg.train, resume=True),
-                      logging=replace(cfg.logging, run_name="sig-resumed"))
+                      logging=replace(cfg.logging, run_name=f"{name}-resumed"))
     losses, params = _train(resumed)
     return stopped_at, saved, losses, params
 
 
-def test_a_stop_saves_and_the_resumed_run_is_bit_identical(reference):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_stop_saves_and_the_resumed_run_is_bit_identical(reference, background):
     root, ref_losses, ref_params = reference
-    out = run_world(_stopped_run, 1, root, timeout=120)[0]
+    out = run_world(_stopped_run, 1, root, background, timeout=120)[0]
     assert out is not None, "the run finished before SIGTERM reached it"
     stopped_at, saved, losses, params = out
     assert 2 <= stopped_at < STEPS and saved == stopped_at   # saved at the step it stopped
