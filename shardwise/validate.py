@@ -165,16 +165,19 @@ def _foreign_model(cfg: Config) -> None:
                               "or use --model hf:gpt2 or hf:llama")
     if m.name in ("gpt", "lenet"):
         return
-    p, what = cfg.parallel, "HF models" if hf_model.is_hf(m.name) else "your own models"
-    if p.strategy in ("pp", "auto") or p.pp > 1:
+    p, hf = cfg.parallel, hf_model.is_hf(m.name)
+    what = "HF models" if hf else "your own models"
+    if p.strategy == "auto":
+        raise ConfigError("parallel.strategy", p.strategy, f"the planner (auto) for {what} "
+                          f"({m.name}) is not supported yet (it sizes shardwise's GPT)",
+                          "choose the layout: --dp, --tp, --pp with --zero-stage 0-3")
+    if not hf and (p.strategy == "pp" or p.pp > 1):
         field, value = (("parallel.pp", p.pp) if p.pp > 1 else ("parallel.strategy", p.strategy))
-        layout_of = "the planner (auto)" if p.strategy == "auto" else "pipeline parallelism"
-        raise ConfigError(field, value, f"{layout_of} for {what} ({m.name}) is not supported yet "
-                          "(the stages are cut by the model's plan, but the pipeline strategy "
-                          "still reads shardwise's GPT's width, and a tied wte / lm_head needs "
-                          "a gradient all-reduce between the first and last stage)",
-                          "use --tp 2 (with --dp and --zero-stage 0-3), or --strategy ddp, "
-                          "zero1, zero2 or zero3")
+        raise ConfigError(field, value, f"pipeline parallelism from the command line for your "
+                          f"own models ({m.name}) is not supported (a stage runs the plan's "
+                          "embed / block / final pieces, which a user's plan may not give)",
+                          "use shardwise.prepare with a ModelPlan that has them, or --tp with "
+                          "--dp and --zero-stage 0-3")
     if hf_model.is_hf(m.name):        # their plans: shardwise/models/plans.py
         return
     plans = sys.modules.get("shardwise.models.plans")    # loaded if the module registered one

@@ -156,6 +156,13 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+def _lm_output(logits):
+    """The last pipeline stage's output of a Hugging Face model: a ModelOutput with its logits,
+    as the model's own forward returns (a user's loss reads ``out["logits"]`` or ``out.logits``)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    return CausalLMOutputWithPast(logits=logits)
+
+
 _REGISTRY["GPT2LMHeadModel"] = ModelPlan(
     blocks="transformer.h",
     tp={"transformer.h.*.attn.c_attn": Split("colwise", parts=3, transposed=True),
@@ -169,7 +176,7 @@ _REGISTRY["GPT2LMHeadModel"] = ModelPlan(
     sizes=lambda m: dict(n_head=m.config.n_head, n_kv_head=m.config.n_head,
                          vocab_size=m.config.vocab_size, n_embd=m.config.n_embd),
     embed=_gpt2_embed, block=lambda stage, b, h: _first(b(h)),
-    final=lambda stage, h: stage.lm_head(stage.transformer.ln_f(h)))
+    final=lambda stage, h: _lm_output(stage.lm_head(stage.transformer.ln_f(h))))
 
 
 # -- Hugging Face Llama: RMSNorm and rotary replicated, grouped-query attention -------------------
@@ -195,4 +202,4 @@ _REGISTRY["LlamaForCausalLM"] = ModelPlan(
                          n_kv_head=m.config.num_key_value_heads,
                          vocab_size=m.config.vocab_size, n_embd=m.config.hidden_size),
     embed=lambda stage, ids: stage.model.embed_tokens(ids), block=_llama_block,
-    final=lambda stage, h: stage.lm_head(stage.model.norm(h)))
+    final=lambda stage, h: _lm_output(stage.lm_head(stage.model.norm(h))))

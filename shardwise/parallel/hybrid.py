@@ -51,9 +51,21 @@ from shardwise.parallel.pipeline import schedule as sched
 from shardwise.parallel.pipeline import timeline
 from shardwise.parallel.pipeline.checks import virtual_stages
 from shardwise.parallel.pipeline.executor import PipelineExecutor, evaluate_stages
-from shardwise.parallel.pipeline.stage import stage_bounds, stage_of
+from shardwise.models.plans import plan_of
+from shardwise.parallel.pipeline.stage import stage_bounds, stage_of, tied_across_stages
 from shardwise.parallel.data.ddp import DDPStrategy
 from shardwise.parallel.tensor import TensorPlan, gather_tp, split_from_rank0
+
+def _width(model: nn.Module) -> int:
+    """The residual stream's width, which the stages send each other (the plan's n_embd)."""
+    plan = plan_of(model)
+    sizes = plan.sizes(model) if plan is not None and plan.sizes is not None else {}
+    if "n_embd" not in sizes:
+        raise ValueError(f"pipeline parallelism sends the residual stream (B, T, n_embd) between "
+                         f"stages; the plan of {type(model).__name__} gives no n_embd; fix: add "
+                         "n_embd to its ModelPlan's sizes")
+    return sizes["n_embd"]
+
 
 class HybridStrategy(PipelineState, PipelineZero1, Strategy):
     name = "3d"
@@ -67,13 +79,21 @@ class HybridStrategy(PipelineState, PipelineZero1, Strategy):
                              "component")
         self.v = virtual_stages(self.cfg)     # model chunks per rank (interleaved-1f1b)
         bounds = stage_bounds(model, mesh.pp * self.v, p.stage_layers)
-        self.n_embd = model.cfg.n_embd
+        self.n_embd = _width(model)
         # 0-1. rank 0's whole model everywhere, then tensor parallel (tp_specs: how to gather)
         model, self.tp_specs, self.loss_fn = split_from_rank0(model, mesh, self.comm,
                                                               self.device, self.loss_fn)
         self.tp_plan = TensorPlan(self.tp_specs, self.comm, mesh.tp_group)  # by global name
+        # weights tied between the first and the last stage: (this rank's piece, held here?)
+        ties = tied_across_stages(model, plan_of(model)) if mesh.pp > 1 else {}
+        tied = [model.get_parameter(first) for first in dict.fromkeys(ties.values())]
+        tied = [q for q in tied if q.requires_grad]
         # 2. pipeline split: keep this stage's layers only (its v chunks when interleaved)
         model = stage_of(model, bounds, mesh.pp_rank, mesh.pp)
+        mine = {id(q) for q in model.parameters()}
+        self.tied = [(q, id(q) in mine) for q in tied]
+        copies = {n for n, _ in model.named_parameters() if model.is_tied_copy(n)}
+        self._uncounted = {model.global_name(n) for n in copies}   # the first stage counts them
         self.actions = sched.build(p.schedule, mesh.pp, p.num_microbatches,
                                    self.v)[mesh.pp_rank]
         self.executor = PipelineExecutor(model, self.comm, mesh.pp_group, self.loss_fn,
@@ -89,7 +109,8 @@ class HybridStrategy(PipelineState, PipelineZero1, Strategy):
             local = {n: self.tp_specs[self._full_name(n)] for n, _ in stage_model.named_parameters()
                      if self._full_name(n) in self.tp_specs}
             self.dp = DDPStrategy(self.cfg, mesh, self.comm, self.device, self.loss_fn)
-            self.dp.plan = TensorPlan(local, self.comm, mesh.tp_group, stages=mesh.pp_group)
+            self.dp.plan = TensorPlan(local, self.comm, mesh.tp_group, stages=mesh.pp_group,
+                                      uncounted=frozenset(copies))
             self.dp.wrap(stage_model, optimizer_factory)
             self.dp.scaler = self.scaler       # one fp16 loss scale (parallel/scaling.py)
             self.optimizer = self.dp.optimizer
@@ -164,12 +185,32 @@ class HybridStrategy(PipelineState, PipelineZero1, Strategy):
                                                         on_backward=hook)
             loss = loss / self.scaler.scale
             total += loss
+        self._sum_tied_grads()
         self._clip_if_configured()
         self.step()
         self.steps_done += 1
         if self.steps_done == self.cfg.train.steps and self._png:
             self.pipeline_report(self._png, announce=True)
         return self.reduce_mean(self._from_last_stage(total))
+
+    def _sum_tied_grads(self) -> None:
+        """Each tied weight's two copies (first and last stage) get the sum of both stages'
+        gradients, as the single model's one weight does: one all-reduce per tied weight over
+        pp, after the dp reduction (sums commute; the other stages add zeros). Both copies then
+        take the same optimizer steps from the same start (rank 0's weights), so they stay
+        equal. Traffic: 2(p-1)/p * the weight's bytes per step."""
+        if not self.tied:
+            return
+        if self.dp is not None:
+            self.dp._finish_grad_sync()        # the buckets' dp allreduce is written first
+        else:
+            for f in self.flats:
+                f.reattach()                   # .grad: views of the flat gradients
+        for q, held in self.tied:
+            if held and q.grad is None:
+                q.grad = torch.zeros_like(q)
+            g = q.grad if held else torch.zeros(q.shape, dtype=q.dtype, device=self.device)
+            self.comm.all_reduce(g, self.mesh.pp_group, name="pp_tied_grad")
 
     def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         t = value.detach().float().reshape(1).clone()

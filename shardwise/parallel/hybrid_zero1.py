@@ -79,6 +79,8 @@ class PipelineZero1:
         for name, offset, shape in zip(names, layout.offsets, layout.shapes):
             if name not in self.tp_specs and mesh.tp_rank != 0:
                 continue                               # tp-replicated: tp rank 0 counts
+            if name in self._uncounted:
+                continue                               # a tied copy: the first stage counts it
             a, b = max(offset, lo), min(offset + shape.numel(), hi)
             if a >= b:
                 continue

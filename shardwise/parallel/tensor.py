@@ -283,9 +283,10 @@ class TensorPlan:
     comm: Comm
     group: Group
     stages: Group | None = None   # pipeline: each stage holds its own layers, summed over pp too
+    uncounted: frozenset = frozenset()   # pipeline: the last stage's copies of tied weights
 
     def counts(self, name: str) -> bool:
-        return name in self.specs or self.group.rank == 0
+        return name not in self.uncounted and (name in self.specs or self.group.rank == 0)
 
     def sum_sq(self, sq: torch.Tensor) -> torch.Tensor:
         t = sq.reshape(1).clone()

@@ -123,10 +123,14 @@ def test_user_module_function_models_train(corpus, tmp_path, monkeypatch):
 
 def test_layouts_hf_models_cannot_run_yet_are_refused(corpus, tmp_path):
     args = [a for a in argv(corpus, tmp_path, "hf:llama") if a not in ("--strategy", "single")]
-    for extra, field in ((["--strategy", "pp", "--pp", "2", "--nproc-per-node", "2"], "parallel.pp"),
-                         (["--strategy", "auto"], "parallel.strategy")):
-        with pytest.raises(ConfigError, match=rf"{field} = .*not supported yet"):
-            check_train(args + extra)
+    with pytest.raises(ConfigError, match=r"parallel\.strategy = .*not supported yet"):
+        check_train(args + ["--strategy", "auto"])
+    own = [a for a in argv(corpus, tmp_path, "my_models:build") if a not in ("--strategy", "single")]
+    with pytest.raises(ConfigError, match=r"parallel\.pp = 2: pipeline parallelism .*own models"):
+        check_train(own + ["--strategy", "pp", "--pp", "2", "--nproc-per-node", "2"])
+    # the pipeline cuts HF models by their plans (tests/parallel/test_hf_layouts.py)
+    cfg, _, world = check_train(args + ["--strategy", "pp", "--pp", "2", "--nproc-per-node", "2"])
+    assert (cfg.parallel.pp, world) == (2, 2)
     # tensor parallelism and checkpointing read the model's plan (shardwise/models/plans.py)
     cfg, _, world = check_train(args + ["--strategy", "tp", "--tp", "2", "--nproc-per-node", "2",
                                         "--activation-checkpointing"])

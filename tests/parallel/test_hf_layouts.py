@@ -6,8 +6,11 @@ class with a registered plan, each against single-process training.
 Every run is what a user does: ranks seeded differently before ``prepare`` (tp slices are cut
 from global rank 0's weights), two AdamW parameter groups, clipping that binds at every step,
 losses of every step and the gathered parameters compared with one process on the whole batch.
-The pipeline pieces (stage cuts of both models, chained) are checked in one process: each
-stage runs the model's own modules, so the chain equals the model's forward exactly.
+The pipeline runs them too (pp2 and tp2 x pp2 with 1F1B, dp2 x pp2 with ZeRO-1 or GPipe), with
+GPT-2's lm_head on the last stage as a copy of wte on the first, whose gradients the pipeline
+sums; the loop there is engine.train_step (no rank holds the whole model) with train.grad_clip.
+The stage cuts of both models, chained, are also checked in one process: each stage runs the
+model's own modules, so the chain equals the model's forward exactly.
 
 Tolerance: fp32 rtol 1e-5, atol 1e-5 (tests/reference.py says why): tp splits the matmul sums
 and the vocab-parallel loss sums exp over two halves, dp averages ranks' gradients, each in
@@ -124,6 +127,26 @@ def _world(rank, n, runs):
     return out
 
 
+def _pipeline_world(rank, n, runs):
+    """Each (tag, family, cfg) with a pipeline: no rank holds the whole model, so the loop is
+    engine.train_step (clipping by train.grad_clip), on the same differently seeded ranks."""
+    import shardwise
+    out = {}
+    for tag, family, cfg in runs:
+        engine = shardwise.prepare(BUILD[family](SEED + rank), two_groups(LR), cfg, loss_fn=lm_loss)
+        losses = [engine.train_step(*engine.shard(x, y)) for x, y in token_batches(STEPS, BATCH)]
+        out[tag] = dict(losses=losses, params=engine.full_state_dict(),
+                        local=sorted(k for k, _ in engine.strategy.model.named_parameters()))
+        engine.close()
+    return out
+
+
+def _pp_cfg(schedule="1f1b", **parallel):
+    from dataclasses import replace
+    cfg = _cfg("3d", num_microbatches=2, schedule=schedule, **parallel)
+    return replace(cfg, train=replace(cfg.train, grad_clip=MAX_NORM))
+
+
 @pytest.fixture(scope="module")
 def references():
     return {f: _single(f) for f in BUILD}
@@ -177,6 +200,33 @@ def test_dp2_tp2_zero3_hf_gpt2_and_llama_world4(references):
     assert results[0]["gpt2"]["units"].count("GPT2Block") == 2
 
 
+def _check_pipeline(results, references, runs):
+    for tag, family, _ in runs:
+        r = dict(results[0][tag], norms=references[family]["norms"])   # norms: not returned
+        _check(r, references[family], tag)
+        assert all(res[tag]["losses"] == r["losses"] for res in results)
+
+
+def test_pp2_hf_gpt2_with_its_tied_head_and_llama_world2(references):
+    runs = [("gpt2", "gpt2", _pp_cfg(pp=2)), ("llama", "llama", _pp_cfg(pp=2))]
+    results = run_world(_pipeline_world, 2, runs, timeout=240)
+    _check_pipeline(results, references, runs)
+    # the first stage holds wte, the last its tied copy as lm_head (both stepped alike)
+    assert "transformer.wte.weight" in results[0]["gpt2"]["local"]
+    assert "lm_head.weight" in results[1]["gpt2"]["local"]
+    assert "transformer.wte.weight" not in results[1]["gpt2"]["local"]
+
+
+def test_3d_hf_gpt2_and_llama_tp2_pp2_and_dp2_pp2_world4(references):
+    runs = [(f"{f}-tp-pp", f, _pp_cfg(tp=2, pp=2)) for f in ("gpt2", "llama")]
+    runs += [("gpt2-dp-pp-zero1", "gpt2", _pp_cfg(dp=2, pp=2, zero_stage=1)),
+             ("llama-dp-pp-gpipe", "llama", _pp_cfg("gpipe", dp=2, pp=2))]
+    results = run_world(_pipeline_world, 4, runs, timeout=240)
+    for tag, family, cfg in runs:     # losses agree within a pipeline; replicas alike
+        r = dict(results[0][tag], norms=references[family]["norms"])
+        _check(r, references[family], tag)
+
+
 def test_pipeline_stages_of_hf_models_chain_to_the_models_forward():
     from shardwise.parallel.pipeline.stage import PipelineStage, stage_bounds
     x = token_batches(1, 2)[0][0]
@@ -184,11 +234,13 @@ def test_pipeline_stages_of_hf_models_chain_to_the_models_forward():
         bounds = stage_bounds(model, 2)
         first, last = PipelineStage(model, bounds, 0), PipelineStage(model, bounds, 1)
         assert bounds == [(0, 1), (1, 2)]
-        assert torch.equal(last(first(x)), model(x).logits)       # the same modules, same order
+        assert torch.equal(last(first(x)).logits, model(x).logits)  # the same modules, order
         names = {last.global_name(k) for k, _ in last.named_parameters()}
         assert names | {k for k, _ in first.named_parameters()} == set(dict(model.named_parameters()))
-    with pytest.raises(ValueError, match="tied to transformer.wte.weight"):
-        PipelineStage(tiny_gpt2(0), [(0, 1), (1, 2)], 0)
+    tied = tiny_gpt2(0)                     # lm_head.weight is transformer.wte.weight
+    first, last = PipelineStage(tied, [(0, 1), (1, 2)], 0), PipelineStage(tied, [(0, 1), (1, 2)], 1)
+    assert last.global_name("lm_head.weight") == "transformer.wte.weight"
+    assert last.is_tied_copy("lm_head.weight") and not first.is_tied_copy("transformer.wte.weight")
 
 
 def test_register_plan_on_a_users_class():

@@ -152,9 +152,9 @@ class PipelineExecutor:
         with self.autocast():
             if c in self._split:                             # keep the block boundaries too
                 self._bounds[(c, i)] = bounds = []
-                out = self.chunks[c](x, bounds).float()
+                out = _fp32(self.chunks[c](x, bounds))
             else:
-                out = self.chunks[c](x).float()              # fp32 on the wire and into the loss
+                out = _fp32(self.chunks[c](x))               # fp32 on the wire and into the loss
         if self._last(c):
             out = self.loss_fn(out, self._ys[i].to(self.device)) * self._scale
             self._loss += out.detach()
@@ -214,6 +214,15 @@ class PipelineExecutor:
         for a in batch:
             if a.op == "RECV_F":
                 self._inputs[(a.chunk, a.mb)].requires_grad_(True)
+
+
+def _fp32(out):
+    """A stage's output in fp32: the residual stream, the logits, or a Hugging Face model's
+    ModelOutput (its plan's last stage) with fp32 logits."""
+    if torch.is_tensor(out):
+        return out.float()
+    out["logits"] = out["logits"].float()
+    return out
 
 
 @torch.no_grad()

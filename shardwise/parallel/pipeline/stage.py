@@ -2,7 +2,9 @@
 GPT, Hugging Face GPT-2 and Llama, registered user classes).
 
 Stage s keeps a contiguous run of blocks; the first stage also keeps the embeddings (GPT:
-tok_emb, pos_emb), the last the final norm and the head, every stage the plan's shared modules. Boundaries are balanced by parameter count
+tok_emb, pos_emb), the last the final norm and the head, every stage the plan's shared modules. A weight tied between the first and the last
+stage (GPT-2's wte / lm_head) is kept on both (:func:`tied_across_stages`). Boundaries are
+balanced by parameter count
 (min over cuts of the largest stage, by dynamic programming) or given as ``stage_layers``
 ('1,3' = one block on stage 0, three on stage 1). Parameters keep their single-model names
 through :meth:`PipelineStage.global_name` (``blocks.0`` of stage 1 may be ``blocks.2``).
@@ -95,19 +97,16 @@ def _place(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(root, leaf, module)
 
 
-def _refuse_split_ties(model: nn.Module, plan, num_stages: int) -> None:
-    """A weight the first and the last stage both use (GPT-2's wte and lm_head) would train as
-    two copies: its gradient all-reduce between those stages is not built, so it is refused."""
-    if num_stages == 1:
-        return
+def tied_across_stages(model: nn.Module, plan) -> dict[str, str]:
+    """Weights the first and the last stage both use (GPT-2's lm_head.weight is
+    transformer.wte.weight): {the last stage's name: the first stage's name}. Each of the two
+    stages keeps its own copy; the pipeline all-reduces their gradients between the two stages
+    (parallel/hybrid.py), so the copies stay equal, and both answer to the first one's name."""
     firsts = {id(q): f"{n}.{k}" for n in plan.first
-              for k, q in model.get_submodule(n).named_parameters()}
-    for n in plan.last:
-        for k, q in model.get_submodule(n).named_parameters():
-            if id(q) in firsts:
-                raise ValueError(f"{n}.{k} is tied to {firsts[id(q)]}, which the pipeline puts on "
-                                 "another stage (its tied-gradient all-reduce is not built); fix: "
-                                 "untie the weights (tie_word_embeddings=False) or use pp = 1")
+              for k, q in model.get_submodule(n).named_parameters(remove_duplicate=False)}
+    return {f"{n}.{k}": firsts[id(q)] for n in plan.last
+            for k, q in model.get_submodule(n).named_parameters(remove_duplicate=False)
+            if id(q) in firsts}
 
 
 class PipelineStage(nn.Module):
@@ -120,7 +119,6 @@ class PipelineStage(nn.Module):
     def __init__(self, gpt: nn.Module, bounds: list[tuple[int, int]], index: int):
         super().__init__()
         plan = _plan(gpt)
-        _refuse_split_ties(gpt, plan, len(bounds))
         self.plan, self.prefix = plan, plan.blocks + "."
         self.index, self.num_stages = index, len(bounds)
         self.start, self.end = bounds[index]
@@ -130,6 +128,8 @@ class PipelineStage(nn.Module):
         _place(self, plan.blocks, nn.ModuleList(plan.blocks_of(gpt)[self.start:self.end]))
         for path in plan.last if self.is_last else ():
             _place(self, path, gpt.get_submodule(path))
+        # the last stage's copies of tied weights (none when one stage holds both ends)
+        self.tied = {} if self.is_first or not self.is_last else tied_across_stages(gpt, plan)
 
     @property
     def stage_blocks(self) -> nn.ModuleList:
@@ -163,11 +163,19 @@ class PipelineStage(nn.Module):
         return [(k, params) for k, params in segments if params]
 
     def global_name(self, local: str) -> str:
-        """The single-model name of one of this stage's parameters."""
+        """The single-model name of one of this stage's parameters (a tied copy answers to
+        the name of the weight it is tied to, as the single model's named_parameters does)."""
+        if local in self.tied:
+            return self.tied[local]
         if local.startswith(self.prefix):
             i, rest = local[len(self.prefix):].split(".", 1)
             return f"{self.prefix}{int(i) + self.start}.{rest}"
         return local
+
+    def is_tied_copy(self, local: str) -> bool:
+        """Whether parameter ``local`` is the last stage's copy of a tied weight (counted once
+        in the gradient norm: on the first stage)."""
+        return local in self.tied
 
 
 class VirtualStages(nn.Module):
@@ -188,6 +196,10 @@ class VirtualStages(nn.Module):
     def global_name(self, local: str) -> str:
         _, c, rest = local.split(".", 2)                     # chunks.<c>.<name>
         return self.chunks[int(c)].global_name(rest)
+
+    def is_tied_copy(self, local: str) -> bool:
+        _, c, rest = local.split(".", 2)
+        return self.chunks[int(c)].is_tied_copy(rest)
 
 
 def stage_of(gpt: nn.Module, bounds: list[tuple[int, int]], rank: int,
