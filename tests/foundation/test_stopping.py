@@ -1,4 +1,5 @@
-"""Stopping a run from outside: SIGTERM / SIGINT to `shardwise train`, SIGKILL of the launcher.
+"""Stopping a run from outside: SIGTERM to `shardwise train`'s launcher (which forwards SIGINT,
+SIGTERM and SIGHUP alike), SIGINT to a one-process run, SIGKILL of the launcher.
 
 Each test starts the real command line (the launcher, torchrun and two gloo ranks), waits until
 rank 0 has written its first metrics line (training is under way), signals the launcher and
@@ -64,8 +65,8 @@ def _wait_gone(proc: subprocess.Popen, out_dir: str) -> float:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_every_rank_with_one_line(tmp_path, sig):
+def test_signal_stops_every_rank_with_one_line(tmp_path):
+    sig = signal.SIGTERM      # the launcher forwards SIGINT the same way (SIGINT: one process, below)
     proc, out_dir = _start(tmp_path)
     proc.send_signal(sig)
     _wait_gone(proc, out_dir)
@@ -91,10 +92,10 @@ def test_sigkill_of_the_launcher_leaves_no_rank_training(tmp_path):
 @pytest.mark.timeout(120)
 def test_single_process_run_stops_with_one_line(tmp_path):
     proc, out_dir = _start(tmp_path, "--strategy", "single")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)                        # Ctrl-C
     _wait_gone(proc, out_dir)
     _, stderr = proc.communicate(timeout=10)
-    assert proc.returncode == 128 + signal.SIGTERM
+    assert proc.returncode == 128 + signal.SIGINT
     assert [line for line in stderr.splitlines() if line.strip()] == [
         f"stopped at step {json.load(open(os.path.join(out_dir, 'stopme', 'stopped.json')))['step']}"
         f"; metrics so far in {os.path.join(out_dir, 'stopme')}"]
