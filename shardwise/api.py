@@ -212,3 +212,6 @@ def prepare(model: nn.Module, optimizer_factory: OptimizerFactory, config: Confi
 
 def _default_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+_default_loss.cross_entropy = True   # tp runs it vocab-parallel (parallel/tensor_loss.py)

@@ -10,7 +10,9 @@ f sits where a replicated activation enters a column-parallel linear (each rank'
 that activation is a partial sum); g sits where a row-parallel linear's partial outputs must be
 summed. The vocab-parallel cross-entropy computes the loss from logits split on the vocabulary
 dimension: two allreduces of b*s elements (the max, then [sum of exp, target logit] together),
-so no rank ever holds the full (b, s, vocab) logits.
+so no rank ever holds the full (b, s, vocab) logits. A loss of a user's own needs them all:
+gather_from_tp all-gathers them (b*s*vocab elements per rank) and hands each rank's columns of
+the gradient back.
 
 Every operator takes the Comm, the Group and a meter name, so the traffic of each use shows up in
 the communication meter under its own name (tp_fwd / tp_bwd for the per-layer pairs).
@@ -75,6 +77,38 @@ def reduce_from_tp(x: torch.Tensor, comm: Comm, group: Group, name: str = "tp_fw
     if group.size == 1:
         return x
     return _ReduceFromTP.apply(x, comm, group, name)
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Logits split on the last dimension -> the whole logits on every tp rank; backward: this
+    rank's columns of the gradient (every rank computes the same loss from the same whole
+    logits, so its own columns' gradient is already the full one: no sum)."""
+
+    @staticmethod
+    def forward(ctx, x, full: int, comm: Comm, group: Group, name: str):
+        sizes = split_sizes(full, group.size)
+        ctx.start, ctx.size = sum(sizes[:group.rank]), x.shape[-1]
+        local = x.movedim(-1, 0).contiguous()                  # (V_local, ...)
+        width = max(sizes)
+        padded = torch.zeros((width, *local.shape[1:]), dtype=x.dtype, device=x.device)
+        padded[: local.shape[0]] = local
+        out = torch.empty((group.size * width, *local.shape[1:]), dtype=x.dtype, device=x.device)
+        comm.all_gather(out, padded, group, name=name)
+        pieces = [out[r * width: r * width + n] for r, n in enumerate(sizes)]
+        return torch.cat(pieces).movedim(0, -1).contiguous()  # (..., V)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.start: ctx.start + ctx.size].contiguous(), None, None, None, None
+
+
+def gather_from_tp(x: torch.Tensor, full: int, comm: Comm, group: Group,
+                   name: str = "tp_gather_logits") -> torch.Tensor:
+    """The whole last dimension (``full`` wide, split as :func:`split_sizes`) of a tensor split on
+    it over tp, inside autograd: for a loss that needs every logit (a user's own)."""
+    if group.size == 1:
+        return x
+    return _GatherFromTP.apply(x, full, comm, group, name)
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -42,6 +42,9 @@ def output_loss(out, targets: torch.Tensor) -> torch.Tensor:
     return lm_loss(logits_of(out).float(), targets)
 
 
+output_loss.cross_entropy = True  # plain cross-entropy: tp runs it vocab-parallel (tensor_loss.py)
+
+
 def loss_for(model_cfg):
     """The training loss of the model a ModelConfig names."""
     if model_cfg.name == "lenet":

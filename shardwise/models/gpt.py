@@ -123,3 +123,6 @@ class GPT(nn.Module):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over all (B, T) positions."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+lm_loss.cross_entropy = True     # plain cross-entropy: tp runs it vocab-parallel (tensor_loss.py)

@@ -37,13 +37,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.comm.autograd import (copy_to_tp, reduce_from_tp, shard_range, split_sizes,
-                                     vocab_parallel_cross_entropy, vocab_parallel_embedding)
+                                     vocab_parallel_embedding)
 from shardwise.comm.collectives import Comm, Group
 from shardwise.memory.lora import LoRALinear
-from shardwise.models.build import logits_of
 from shardwise.models.plans import plan_of
 from shardwise.parallel.tensor_checks import check_heads
 from shardwise.parallel.tensor_lora import ColumnParallelLoRA, RowParallelLoRA
+from shardwise.parallel.tensor_loss import tp_loss
 
 
 @dataclass(frozen=True)
@@ -238,19 +238,8 @@ def split_from_rank0(model: nn.Module, mesh, comm: Comm, device, loss_fn):
     specs = apply_tensor_parallel(model, mesh, comm)
     plan = plan_of(model)
     if mesh.tp > 1 and any(s.style == "vocab_head" for s in plan.tp.values()):
-        loss_fn = tp_loss(plan.sizes(model)["vocab_size"], comm, mesh.tp_group)
+        loss_fn = tp_loss(plan.sizes(model)["vocab_size"], comm, mesh.tp_group, loss_fn)
     return model, specs, loss_fn
-
-
-def tp_loss(vocab_size: int, comm: Comm, group: Group):
-    """The loss of a tp model: vocab-parallel cross-entropy on this rank's logit columns (the
-    logits of any output: a tensor, or a ModelOutput's ``logits``)."""
-    start = shard_range(vocab_size, group.rank, group.size)[0]
-
-    def loss_fn(out, target: torch.Tensor) -> torch.Tensor:
-        logits = out if torch.is_tensor(out) else logits_of(out)        # (B, T, V_local)
-        return vocab_parallel_cross_entropy(logits, target, start, comm, group)
-    return loss_fn
 
 
 def gather_tp(t: torch.Tensor, spec: ShardSpec, comm: Comm, group: Group) -> torch.Tensor:

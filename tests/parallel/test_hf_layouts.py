@@ -72,6 +72,20 @@ register_plan(TinyLM, ModelPlan(
     sizes=lambda m: dict(vocab_size=VOCAB)))
 
 
+def smooth_loss(out, y):
+    """A user's own loss (label smoothing reads every logit): under tp it gets the whole logits."""
+    return F.cross_entropy(out["logits"].flatten(0, 1).float(), y.flatten(), label_smoothing=0.1)
+
+
+def loss_of(tag):
+    """The run's loss: the user's lm_loss (models_hf.py), smoothing, or shardwise's own
+    cross-entropy (``-ce``: output_loss, which tp runs vocab-parallel)."""
+    from shardwise.models.build import output_loss
+    if tag == "user":                  # TinyLM returns the logits tensor itself
+        return lambda out, y: lm_loss({"logits": out}, y)
+    return smooth_loss if tag.endswith("-smooth") else output_loss if tag.endswith("-ce") else lm_loss
+
+
 def tiny_user(seed):
     torch.manual_seed(seed)
     return TinyLM()
@@ -87,13 +101,13 @@ def _cfg(strategy, ckpt=False, **parallel):
                   train=TrainConfig(batch_size=BATCH, device="cpu"))
 
 
-def _single(family):
+def _single(family, loss_fn=lm_loss):
     """The reference: rank 0's initial weights, the whole batch, torch's own clipping."""
     model = BUILD[family](SEED)
     opt = two_groups(LR)(list(model.parameters()))
     losses, norms = [], []
     for x, y in token_batches(STEPS, BATCH):
-        loss = lm_loss({"logits": model(x)} if family == "user" else model(x), y)
+        loss = loss_fn({"logits": model(x)} if family == "user" else model(x), y)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
@@ -108,7 +122,9 @@ def _world(rank, n, runs):
     import shardwise
     out = {}
     for tag, family, cfg in runs:
-        engine = shardwise.prepare(BUILD[family](SEED + rank), two_groups(LR), cfg, loss_fn=lm_loss)
+        engine = shardwise.prepare(BUILD[family](SEED + rank), two_groups(LR), cfg,
+                                   loss_fn=loss_of(tag))
+        engine.runtime.comm.meter.reset()        # this run's traffic only
         losses, norms = [], []
         for x, y in token_batches(STEPS, BATCH):
             xs, ys = engine.shard(x, y)
@@ -118,7 +134,8 @@ def _world(rank, n, runs):
             engine.step()
             losses.append(engine.strategy.reduce_mean(loss.detach()))
         model = engine.strategy.model
-        out[tag] = dict(losses=losses, norms=norms, params=engine.full_state_dict(),
+        sent = {k: v["bytes_sent"] for k, v in engine.runtime.comm.meter.snapshot().items()}
+        out[tag] = dict(losses=losses, norms=norms, params=engine.full_state_dict(), sent=sent,
                         checkpointed=sum(getattr(m, "checkpointed", False)
                                          for m in model.modules()),
                         units=[type(m).__name__ for m, _ in getattr(engine.strategy, "units", [])],
@@ -149,7 +166,7 @@ def _pp_cfg(schedule="1f1b", **parallel):
 
 @pytest.fixture(scope="module")
 def references():
-    return {f: _single(f) for f in BUILD}
+    return {**{f: _single(f) for f in BUILD}, "gpt2-smooth": _single("gpt2", smooth_loss)}
 
 
 def _check(r, ref, tag):
@@ -172,11 +189,17 @@ def _check(r, ref, tag):
 def test_tp2_hf_gpt2_llama_and_a_user_plan_world2(references):
     runs = [("gpt2", "gpt2", _cfg("tp", tp=2)), ("llama", "llama", _cfg("tp", tp=2)),
             ("llama-ckpt", "llama", _cfg("tp", ckpt=True, tp=2)),
-            ("user", "user", _cfg("tp", tp=2))]
+            ("user", "user", _cfg("tp", tp=2)), ("gpt2-smooth", "gpt2", _cfg("tp", tp=2)),
+            ("llama-ce", "llama", _cfg("tp", tp=2))]
     results = run_world(_world, 2, runs, timeout=240)
     for tag, family, _ in runs:
-        _check(results[0][tag], references[family], tag)
+        _check(results[0][tag], references.get(tag, references[family]), tag)
         assert results[0][tag]["losses"] == results[1][tag]["losses"]
+    # a user's loss sees the whole logits (gathered over tp); shardwise's runs vocab-parallel
+    assert results[0]["gpt2-smooth"]["sent"].get("tp_gather_logits", 0) > 0
+    assert results[0]["llama"]["sent"].get("tp_gather_logits", 0) > 0
+    assert "tp_gather_logits" not in results[0]["llama-ce"]["sent"]
+    assert results[0]["llama-ce"]["sent"].get("tp_vocab", 0) > 0
     gpt2, llama = results[0]["gpt2"]["local"], results[0]["llama"]["local"]
     # Conv1D (in, out): c_attn split on dim 1 by q | k | v groups, c_proj on dim 0
     assert gpt2["transformer.h.0.attn.c_attn.weight"] == (32, 48)
