@@ -47,11 +47,14 @@ from __future__ import annotations
 import math
 import queue
 import sys
+from collections import deque
 
 import torch
 
 from shardwise.comm.ps_transport import HEADER, ServerEnd, pack, task_name, unpack
 from shardwise.memory.loss_scale import LossScaler
+
+KEEP_RECORDS = 4096     # per-gradient records kept for stats(); the totals cover every step
 
 
 class WorkerScalers:
@@ -105,8 +108,10 @@ class ParamServer:
         self.applied = [0] * num_workers        # gradients applied, per worker
         self.dropped = [0] * num_workers        # fp16: pushes received and not applied
         self.skip_flags = [0.0] * num_workers   # the ``skipped`` of each worker's next answer
-        self.records: list[dict] = []           # one per applied gradient
-        self.releases: list[dict] = []          # one per answer sent (ssp bound evidence)
+        # the newest KEEP_RECORDS of each (a long run's memory stays flat), with totals of all
+        self.records: deque = deque(maxlen=KEEP_RECORDS)    # one per applied gradient
+        self.releases: deque = deque(maxlen=KEEP_RECORDS)   # one per answer (ssp bound evidence)
+        self.staleness_max, self.staleness_sum, self.bound_max = 0, 0, 0
         self.losses: dict[int, list[float]] = {}  # clock -> losses the workers sent with it
         self.deferred: set[int] = set()
         numel = self.numel = sum(t.numel() for t in params)
@@ -210,13 +215,18 @@ class ParamServer:
         buf = pack((self.version, loss, self.skip_flags[w], 0.0), self.params + self.extras,
                    self.reply_bufs[w])
         self.end.reply(w, buf)
-        self.releases.append({"worker": w, "clock": self.clocks[w], "min_clock": self._min_clock(),
+        low = self._min_clock()
+        self.releases.append({"worker": w, "clock": self.clocks[w], "min_clock": low,
                               "version": self.version})
+        self.bound_max = max(self.bound_max, self.clocks[w] - low)
 
     def _record(self, w: int, clock: int, pulled: int) -> None:
         self.applied[w] += 1
+        stale = self.version - pulled
         self.records.append({"worker": w, "clock": clock, "pulled": pulled,
-                             "staleness": self.version - pulled, "min_clock": self._min_clock()})
+                             "staleness": stale, "min_clock": self._min_clock()})
+        self.staleness_max = max(self.staleness_max, stale)
+        self.staleness_sum += stale
 
     def _grad_of(self, msg: torch.Tensor) -> torch.Tensor:
         return msg[HEADER:HEADER + self.numel]
@@ -262,11 +272,16 @@ class ParamServer:
         self._release()
 
     def stats(self) -> dict:
-        """What happened on this ps task: per-gradient records, answers, counts, failures."""
+        """What happened on this ps task: per-gradient records and answers (the newest
+        KEEP_RECORDS), counts, staleness over the whole run, failures."""
+        applied = sum(self.applied)
         return {"task": task_name(self.end.j, self.num_ps), "version": self.version,
                 "applied": list(self.applied), "dropped": list(self.dropped),
                 "clocks": list(self.clocks),
                 "records": list(self.records), "releases": list(self.releases),
+                "staleness_max": self.staleness_max,
+                "staleness_mean": self.staleness_sum / applied if applied else 0.0,
+                "clock_lead_max": self.bound_max,
                 "failed": {task_name(self.num_ps + w, self.num_ps): why
                            for w, why in self.failed.items()}}
 

@@ -89,7 +89,9 @@ def test_straggler_and_layout_errors_name_the_field():
 
 # -- sync equals single ---------------------------------------------------------------------
 @pytest.mark.parametrize("num_ps", [1, 2])
-def test_sync_equals_single(num_ps):
+def test_sync_equals_single(num_ps, monkeypatch):
+    from shardwise.parallel import ps_server
+    monkeypatch.setattr(ps_server, "KEEP_RECORDS", 8)   # the forked ranks keep the 8 newest
     cfg = tiny_config("ps", steps=20, num_ps=num_ps, ps_timeout=60.0)
     world = num_ps + 2
     results = run_world(_several, world, [cfg], timeout=200)
@@ -105,6 +107,9 @@ def test_sync_equals_single(num_ps):
         assert stats["task"] == f"/job:ps/task:{j}"
         assert stats["applied"] == [20, 20] and stats["version"] == 20
         assert all(r["staleness"] == 0 for r in stats["records"])
+        # a long run's memory stays flat: the newest records only, totals over all 40
+        assert len(stats["records"]) == len(stats["releases"]) == 8
+        assert stats["staleness_max"] == 0 and stats["staleness_mean"] == 0.0
         # traffic: each step the ps receives one [header | its shard] message from each worker
         shard = meter["ps_push"]["bytes_recv"] // (2 * 20) // 4 - HEADER
         assert meter["ps_pull"]["bytes_sent"] == 2 * 20 * (HEADER + shard) * 4
@@ -228,6 +233,8 @@ def test_async_and_ssp_apply_every_gradient_once_within_the_bound():
                 # so at most 2s+1 gradients of each other worker land between pull and apply
                 bound = (workers - 1) * (2 * s + 1)
                 assert max(r["staleness"] for r in stats["records"]) <= bound
+                assert stats["clock_lead_max"] <= s
+            assert stats["staleness_max"] == max(r["staleness"] for r in stats["records"])
         # every rank ends with the same (the ps tasks') model
         first = results[0][mode_i]["params"]
         for res in results[1:]:

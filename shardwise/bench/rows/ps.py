@@ -37,14 +37,13 @@ def ps_run(rank, world, steps=STEPS, **parallel):
     params = sum(p.numel() * p.element_size() for p in s["engine"].model.parameters())
     busiest = (meter["ps_push"]["bytes_recv"] + meter["ps_pull"]["bytes_sent"]) / steps
     n = world - cfg.parallel.num_ps
-    stale = [r["staleness"] for r in stats.get("records", [])]
     items = steps * cfg.train.batch_size * cfg.model.block_size
     return {"items_per_s": items / s["wall_seconds"], "bytes_sent": busiest,
             "extra": {"losses": s["losses"], "model_bytes": params,
                       "busiest_ps_bytes_per_step": busiest,
                       "ring_allreduce_bytes_per_worker": 2 * (n - 1) / n * params,
-                      "staleness_max": max(stale, default=0),
-                      "staleness_mean": sum(stale) / max(1, len(stale)),
+                      "staleness_max": stats.get("staleness_max", 0),
+                      "staleness_mean": stats.get("staleness_mean", 0.0),
                       "applied": stats.get("applied")}}
 
 
