@@ -67,13 +67,16 @@ class DataConfig:
     max_bytes: int = _f(4_000_000, "stdlib corpus: read at most this many bytes of source")
     val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
     data_path: str = _f("", "--dataset text: your UTF-8 text, a file, a directory (every file "
-                        "below it, hidden ones left out) or a quoted glob ('books/**/*.txt'); "
+                        "below it, hidden ones left out), a quoted glob ('books/**/*.txt') or a "
+                        "Hugging Face dataset saved to disk (its --text-column); "
                         "files in sorted path order, the last val_fraction of the tokens held "
                         "out for validation")
     tokenizer: str = _f("bytes", "--dataset text: bytes (256 tokens), bpe:N (a byte-level BPE of "
                         "N tokens trained here on the corpus, kept in the token cache and copied"
                         " into the run directory) or the path of a local Hugging Face "
                         "tokenizer.json / folder holding one")
+    text_column: str = _f("text", "--dataset text with a Hugging Face dataset saved to disk "
+                          "(save_to_disk) as --data-path: the string column that is the corpus")
     token_cache: str = _f("", "--dataset text: folder of tokenized corpora (memory-mapped, "
                           "written once, reused while the files are unchanged); empty = "
                           "$SHARDWISE_CACHE/tokens or ~/.cache/shardwise/tokens")

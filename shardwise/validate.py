@@ -271,7 +271,7 @@ def _text_data(cfg: Config) -> None:
     from shardwise.data import files, tokenize
     d, default = cfg.data, DataConfig()
     if d.dataset != "text":
-        for name in ("data_path", "tokenizer", "token_cache"):
+        for name in ("data_path", "tokenizer", "token_cache", "text_column"):
             if getattr(d, name) != getattr(default, name):
                 raise ConfigError(f"data.{name}", getattr(d, name), f"only --dataset text reads "
                                   f"it (the data set is {d.dataset})", f"drop --"

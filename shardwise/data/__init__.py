@@ -44,7 +44,7 @@ def load_text(cfg, max_vocab: int | None = None):
     from shardwise.data import token_cache
     d = cfg.data
     return token_cache.prepare(d.data_path, d.tokenizer, d.token_cache,
-                               cfg.train.collective_timeout, max_vocab)
+                               cfg.train.collective_timeout, max_vocab, d.text_column)
 
 
 def check_corpus(cfg, corpus, check_vocab: bool | None = None) -> None:

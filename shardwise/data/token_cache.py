@@ -36,7 +36,7 @@ import numpy as np
 
 from shardwise.config import ConfigError
 from shardwise.data import files as textfiles
-from shardwise.data import tokenize
+from shardwise.data import hf_datasets, tokenize
 
 CACHE_VERSION = 1
 PROGRESS_BYTES = 16 << 20     # show progress for corpora of 16 MiB or more
@@ -80,11 +80,14 @@ def dtype_for(vocab_size: int) -> str:
     return "uint8" if vocab_size <= 1 << 8 else "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def folder_for(files: list[str], spec: str, cache_dir: str) -> str:
-    """The cache folder of these files under this tokenizer."""
+def folder_for(files: list[str], spec: str, cache_dir: str, column: str | None = None) -> str:
+    """The cache folder of these files under this tokenizer (``column``: the text column of a
+    saved Hugging Face dataset, shardwise/data/hf_datasets.py)."""
     kind, arg = tokenize.parse_spec(spec)
     identity = [spec] + ([textfiles.file_digest(f) for f in tokenize.tokenizer_file(arg)]
                          if kind == "path" else [])
+    if column is not None:
+        identity.append(f"column:{column}")
     key = textfiles.digest(CACHE_VERSION, textfiles.fingerprint(files), identity)
     return os.path.join(os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir())), key)
 
@@ -107,18 +110,31 @@ def _launcher_ranks() -> tuple[int, int] | None:
 
 
 def prepare(data_path: str, spec: str, cache_dir: str = "", timeout: float = 300.0,
-            max_vocab: int | None = None) -> Corpus:
+            max_vocab: int | None = None, text_column: str = "text") -> Corpus:
     """The tokenized corpus of ``data_path`` under tokenizer ``spec``: found in the cache, built
     now, or (a rank other than local rank 0) waited for. Raises ConfigError on a path that
     matches no file, an empty corpus or a file that is not UTF-8; and, when ``max_vocab`` is
     given, on a tokenizer with more tokens, as soon as it is known (before a long
-    tokenization; a trained BPE stays cached)."""
+    tokenization; a trained BPE stays cached). A folder that ``save_to_disk`` wrote is a
+    Hugging Face dataset: its ``text_column`` is the corpus (hf_datasets.py)."""
     files = textfiles.find_files(data_path)
     if not files:
         raise ConfigError("data.data_path", data_path, "matches no file", "give a text file, a "
                           "directory of them, or a glob such as 'corpus/*.txt' (quoted)")
+    saved = hf_datasets.is_saved(data_path)
+    if not saved and text_column != "text":
+        raise ConfigError("data.text_column", text_column, f"only a Hugging Face dataset saved "
+                          f"to disk has columns, and {data_path} is not one", "drop "
+                          "--text-column, or point --data-path at a save_to_disk folder")
+    if saved:
+        def chunks():
+            return hf_datasets.read_chunks(data_path, text_column)
+        hf_datasets.load(data_path, text_column)     # its refusals, before anything is built
+    else:
+        def chunks():
+            return (pair for f in files for pair in textfiles.read_chunks(f))
     try:
-        folder = folder_for(files, spec, cache_dir)
+        folder = folder_for(files, spec, cache_dir, text_column if saved else None)
     except (ValueError, OSError) as exc:
         raise ConfigError("data.tokenizer", spec, str(exc), "use bytes, bpe:N or the path of a "
                           "tokenizer.json (or a folder holding one)") from None
@@ -139,7 +155,7 @@ def prepare(data_path: str, spec: str, cache_dir: str = "", timeout: float = 300
             return found
         show = total >= PROGRESS_BYTES and (ranks is None or ranks[0] == 0)
         try:
-            return _build(files, spec, folder, total, show, max_vocab)
+            return _build(files, chunks, spec, folder, total, show, max_vocab)
         except textfiles.NotUTF8 as exc:
             raise ConfigError("data.data_path", data_path, str(exc), "convert that file to "
                               "UTF-8, or leave it out of --data-path") from None
@@ -168,20 +184,15 @@ def _wait_for(folder: str, timeout: float) -> Corpus:
                       "first with 'shardwise train --print-config' and the same flags")
 
 
-def _texts(files: list[str]):
-    for f in files:
-        for _, text in textfiles.read_chunks(f):
-            yield text
-
-
-def _build(files: list[str], spec: str, folder: str, total: int, show: bool,
+def _build(files: list[str], chunks, spec: str, folder: str, total: int, show: bool,
            max_vocab: int | None = None) -> Corpus:
-    """Tokenize every file into folder/tokens.bin, then write meta.json (both atomically)."""
+    """Tokenize the corpus (``chunks()``: its (bytes, text) pieces in order) into
+    folder/tokens.bin, then write meta.json (both atomically)."""
     tok = tokenize.for_spec(spec, folder)
     if tok is None:                                       # bpe:N, first time on this corpus
         if show:
             print(f"training a byte-level BPE ({spec}) on {folder}", file=sys.stderr, flush=True)
-        tok = tokenize.train_bpe(_texts(files), tokenize.parse_spec(spec)[1],
+        tok = tokenize.train_bpe((text for _, text in chunks()), tokenize.parse_spec(spec)[1],
                                  os.path.join(folder, "tokenizer.json"))
     if max_vocab is not None and tok.vocab_size > max_vocab:
         raise ConfigError("model.vocab_size", max_vocab, f"smaller than the tokenizer's "
@@ -194,13 +205,12 @@ def _build(files: list[str], spec: str, folder: str, total: int, show: bool,
     n = 0
     try:
         with open(tmp, "wb") as out:
-            for f in files:
-                for raw, text in textfiles.read_chunks(f):
-                    ids = tok.encode_chunk(raw, text)
-                    out.write(np.ascontiguousarray(ids, dtype=dtype).tobytes())
-                    n += len(ids)
-                    if progress:
-                        progress.add(len(raw))
+            for raw, text in chunks():
+                ids = tok.encode_chunk(raw, text)
+                out.write(np.ascontiguousarray(ids, dtype=dtype).tobytes())
+                n += len(ids)
+                if progress:
+                    progress.add(len(raw))
         os.replace(tmp, os.path.join(folder, "tokens.bin"))
     finally:
         if os.path.exists(tmp):

@@ -159,7 +159,10 @@ def _first(out):
 def _lm_output(logits):
     """The last pipeline stage's output of a Hugging Face model: a ModelOutput with its logits,
     as the model's own forward returns (a user's loss reads ``out["logits"]`` or ``out.logits``)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    try:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+    except ImportError:          # a model of this plan was built, so transformers is there
+        return {"logits": logits}
     return CausalLMOutputWithPast(logits=logits)
 
 
