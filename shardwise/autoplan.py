@@ -41,7 +41,8 @@ def to_config(layout: Layout, cfg: Config) -> tuple[Config, dict]:
     if layout.kind == "ps":
         par.update(num_ps=layout.num_ps, num_workers=layout.dp)
     if layout.pp > 1:
-        par.update(schedule=layout.schedule, num_microbatches=m)
+        par.update(schedule=layout.schedule, num_microbatches=m,
+                   virtual_stages=layout.virtual_stages)
     if layout.kind == "3d":
         par["zero1_over_dp"] = layout.zero == 1
     new = replace(cfg, parallel=replace(cfg.parallel, **par), memory=replace(cfg.memory, **mem))

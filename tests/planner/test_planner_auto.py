@@ -86,6 +86,16 @@ def test_layout_to_config(layout, world, expect):
         assert getattr(getattr(reparsed, sec), name) == value, key
 
 
+def test_an_interleaved_layout_runs_its_virtual_stages_or_is_not_runnable():
+    layout = Layout(pp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2)
+    cfg = _auto_cfg()                                     # 2 layers: 4 chunks do not fit
+    assert "parallel.virtual_stages = 2" in autoplan.why_not_runnable(layout, cfg)
+    deeper = replace(cfg, model=replace(cfg.model, n_layer=4))
+    new, changes = autoplan.to_config(layout, deeper)
+    assert (new.parallel.schedule, new.parallel.virtual_stages) == ("interleaved-1f1b", 2)
+    assert changes["parallel.virtual_stages"] == 2 and not autoplan.why_not_runnable(layout, deeper)
+
+
 def _fake_calibration(allreduce_bw: float, whole_speedup: float) -> autoplan.Calibration:
     """A machine given by numbers: 2 processes, 50 GFLOP/s per rank, no block overhead."""
     rank = autoplan.Compute(threads=1, matmul_flops=50e9, model_flops=40e9, block_overhead=0.0,
