@@ -56,7 +56,7 @@ def optimizer_factory(cfg: Config) -> OptimizerFactory:
 
 # layouts whose own loop feeds the model one tensor: several inputs / the model's loss refused
 ONE_TENSOR = {"3d": "pipeline (pp > 1; its stages pass one activation tensor)",
-              "dp": "one-process replica layout (dp)", "ps": "parameter-server layout (ps)"}
+              "dp": "one-process replica layout (dp)"}
 
 
 class Engine:

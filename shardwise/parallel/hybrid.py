@@ -20,7 +20,9 @@ rows dp_rank/D of each global batch, split into m micro-batches on the pipeline.
 Collectives per step: tp as in tensor.py (4 allreduces of b*s*h per layer per micro-batch);
 pp: one activation (b/m*s*h) forward and one gradient back per micro-batch per stage boundary
 (send/recv); dp: one allreduce of this rank's gradients per step (2(D-1)/D * P_rank * 4 bytes,
-bucketed), or with ZeRO-1 one reduce-scatter plus one all-gather (the same volume).
+bucketed), or with ZeRO-1 one reduce-scatter plus one all-gather (the same volume); a weight
+tied between the first and the last stage (GPT-2's wte / lm_head, one copy on each): one
+allreduce of its gradient over pp (``pp_tied_grad``, the other stages add zeros).
 Memory per rank: P/(T*S) parameters and gradients (S = stages; plus replicated norms), Adam
 states 2P/(T*S), or 2P/(T*S*D) with ZeRO-1; activations of <= p (1F1B) or m (GPipe) micro-batches
 (schedule.py and interleaved.py / zero_bubble.py give the interleaved and ZB-H1 counts).
@@ -55,6 +57,7 @@ from shardwise.models.plans import plan_of
 from shardwise.parallel.pipeline.stage import stage_bounds, stage_of, tied_across_stages
 from shardwise.parallel.data.ddp import DDPStrategy
 from shardwise.parallel.tensor import TensorPlan, gather_tp, split_from_rank0
+
 
 def _width(model: nn.Module) -> int:
     """The residual stream's width, which the stages send each other (the plan's n_embd)."""

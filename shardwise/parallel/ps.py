@@ -72,6 +72,7 @@ from shardwise.comm.ps_transport import HEADER, Links, ServerEnd, WorkerEnd, pac
     partition_by_bytes, task_name, unpack
 from shardwise.memory.loss_scale import has_nonfinite
 from shardwise.config import ConfigError
+from shardwise.data import batch as batches
 from shardwise.parallel.ps_checks import parse_straggler
 from shardwise.parallel.base import OptimizerFactory, Strategy, as_float, optimizer_state_bytes, \
     tensor_bytes
@@ -167,13 +168,14 @@ class ParameterServerStrategy(Strategy):
             self.end.close()
         return mean if self.cfg.parallel.ps_mode == "sync" else loss
 
-    def _compute(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def _compute(self, x, y) -> float:
         """Forward / backward over grad_accum micro-batches; gradients left in .grad (fp16:
-        times S, see ``_unscale``)."""
-        xs, ys = x.chunk(self.grad_accum), y.chunk(self.grad_accum)
+        times S, see ``_unscale``). ``x``: a tensor, a tuple or a dict of tensors (several
+        inputs, shardwise/data/batch.py); ``y``: the targets, or None with ``loss_from``."""
+        xs, ys = batches.chunk(x, self.grad_accum), batches.chunk(y, self.grad_accum)
         total = 0.0
         for xm, ym in zip(xs, ys):
-            loss = self.loss_fn(as_float(self.forward(xm.to(self.device))), ym.to(self.device))
+            loss = self.batch_loss(xm, ym)
             self.backward(loss / len(xs))     # fp16: backward on loss x S (base.Strategy)
             total += float(loss.detach())
         return total / len(xs)
@@ -227,17 +229,18 @@ class ParameterServerStrategy(Strategy):
             unpack(flat, shard + self._extras(j))
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float | None]:
-        """Mean loss (and accuracy) of the current ps parameters over the workers' rows."""
+    def evaluate(self, x, y) -> tuple[float, float | None]:
+        """Mean loss (and accuracy) of the current ps parameters over the workers' rows (``x``
+        a tensor, tuple or dict; ``y`` None with ``loss_from``)."""
         self.gather_params()
         sums = torch.zeros(3, device=self.links.device)  # (loss, accuracy, workers) over the world
         acc = False
         if not self.is_ps:
             self.model.eval()
-            out = self.forward(x.to(self.device))
+            out = batches.call(self.forward, batches.to(x, self.device))
             self.model.train()
-            y = y.to(self.device)
-            acc = torch.is_tensor(out) and out.dim() == 2
+            y = batches.to(y, self.device)
+            acc = torch.is_tensor(out) and out.dim() == 2 and torch.is_tensor(y)
             sums[0] = self.loss_fn(as_float(out), y)
             sums[1] = (out.argmax(-1) == y).float().mean() if acc else 0.0
             sums[2] = 1.0

@@ -1,4 +1,5 @@
-"""Models with several inputs and their own loss, under ddp and zero3, against one process.
+"""Models with several inputs and their own loss, under ddp, zero3 and the parameter server
+(sync, one ps task and two workers), against one process.
 
 The model is a Hugging Face GPT-2 (tests/models_hf.py) fed a dict batch: input_ids,
 attention_mask (right padding, different lengths per row), position_ids and labels (-100 on the
@@ -55,6 +56,21 @@ def _single():
         val = float(model(**_batches(1)[0]).loss)
     return dict(losses=losses, val=val, logits=logits,
                 params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def _ps_world(rank, n):
+    """One ps task and two workers (sync): train_step on dict batches with the model's loss."""
+    import shardwise
+    from shardwise.config import Config, ParallelConfig, TrainConfig
+    cfg = Config(parallel=ParallelConfig(strategy="ps", num_ps=1, ps_timeout=60.0),
+                 train=TrainConfig(batch_size=BATCH, device="cpu", steps=STEPS))
+    engine = shardwise.prepare(tiny_gpt2(SEED), lambda ps: torch.optim.SGD(ps, lr=LR), cfg,
+                               loss_from="loss")
+    losses = [engine.train_step(engine.shard(batch)) for batch in _batches()]
+    val, _ = engine.evaluate(engine.shard(_batches(1)[0]))
+    out = dict(losses=losses, val=val, params=engine.full_state_dict())
+    engine.close()
+    return out
 
 
 def _world(rank, n, strategies):
@@ -145,6 +161,18 @@ def test_dict_batch_and_model_loss_ddp_zero3_world2():
         for name, want in ref["params"].items():
             torch.testing.assert_close(got["params"][name], want, rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"{tag} {name}: {m} ({WHY})")
+
+
+def test_dict_batch_and_model_loss_under_the_parameter_server_world3():
+    ref = _single()
+    results = run_world(_ps_world, 3, timeout=180)
+    for r, got in enumerate(results):             # sync: every rank reports the global mean
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) <= ATOL + RTOL * abs(b), f"ps rank {r} step {step}: {a} vs {b}"
+        assert abs(got["val"] - ref["val"]) <= ATOL + RTOL * abs(ref["val"])
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(results[0]["params"][name], want, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"ps {name}: {m} ({WHY})")
 
 
 class TwoInputs(torch.nn.Module):

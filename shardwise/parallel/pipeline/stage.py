@@ -2,9 +2,9 @@
 GPT, Hugging Face GPT-2 and Llama, registered user classes).
 
 Stage s keeps a contiguous run of blocks; the first stage also keeps the embeddings (GPT:
-tok_emb, pos_emb), the last the final norm and the head, every stage the plan's shared modules. A weight tied between the first and the last
-stage (GPT-2's wte / lm_head) is kept on both (:func:`tied_across_stages`). Boundaries are
-balanced by parameter count
+tok_emb, pos_emb), the last the final norm and the head, every stage the plan's shared modules.
+A weight tied between the first and the last stage (GPT-2's wte / lm_head) is kept on both
+(:func:`tied_across_stages`). Boundaries are balanced by parameter count
 (min over cuts of the largest stage, by dynamic programming) or given as ``stage_layers``
 ('1,3' = one block on stage 0, three on stage 1). Parameters keep their single-model names
 through :meth:`PipelineStage.global_name` (``blocks.0`` of stage 1 may be ``blocks.2``).
