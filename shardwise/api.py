@@ -54,11 +54,6 @@ def optimizer_factory(cfg: Config) -> OptimizerFactory:
     return make
 
 
-# layouts whose own loop feeds the model one tensor: several inputs / the model's loss refused
-ONE_TENSOR = {"3d": "pipeline (pp > 1; its stages pass one activation tensor)",
-              "dp": "one-process replica layout (dp)"}
-
-
 class Engine:
     """A model and optimizer under one strategy; mirrors the plain PyTorch loop's verbs."""
 
@@ -154,12 +149,6 @@ class Engine:
             raise ValueError(f"{what}: no target y, and the loss function needs one; fix: pass "
                              "y, or prepare(..., loss_from='loss') to train on the loss the "
                              "model computes from the labels in the batch")
-        name = self.strategy.name
-        if name in ONE_TENSOR and not (batches.is_plain(x) and torch.is_tensor(y)):
-            raise ValueError(f"{what}: the {ONE_TENSOR[name]} feeds the model one input tensor "
-                             "and needs a target tensor; fix: pass train_step(x, y) with "
-                             "tensors, or the ddp / zero1-3 / tp strategies for models with "
-                             "several inputs or their own loss")
 
     def state_dict(self) -> dict:
         return self.strategy.state_dict()

@@ -54,6 +54,30 @@ def token_batches(steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Ten
     return out
 
 
+# tokens per row, each row padded (a row of L tokens after padding has L next-token labels); each
+# aligned pair of rows holds 26 labels, so every micro-batch or shard of 2, 4 or 8 rows has the same
+# count and the mean of their means is the whole batch's mean (the model's loss averages over them)
+LENGTHS = (15, 11, 13, 13, 11, 15, 12, 14)
+
+
+def padded_batches(steps: int, seed: int = 3, labels: bool = True) -> list[dict]:
+    """Left-padded dict batches of len(LENGTHS) rows, as a tokenizer pads for a decoder:
+    input_ids, attention_mask (0 on the padding), position_ids counting from each row's first
+    token (both matter: with left padding a model that ignored them would see other positions
+    and attend to padding), and labels (-100 on the padding) unless ``labels`` is False."""
+    g = torch.Generator().manual_seed(seed)
+    rows, out = len(LENGTHS), []
+    mask = (torch.arange(SEQ)[None, :] >= SEQ - torch.tensor(LENGTHS)[:, None]).long()
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    for _ in range(steps):
+        ids = torch.randint(1, VOCAB, (rows, SEQ), generator=g).masked_fill(mask == 0, 0)
+        batch = {"input_ids": ids, "attention_mask": mask.clone(), "position_ids": pos.clone()}
+        if labels:
+            batch["labels"] = ids.masked_fill(mask == 0, -100)
+        out.append(batch)
+    return out
+
+
 def two_groups(lr: float = 1e-2):
     """An AdamW factory with two parameter groups: matrices decay (0.1), vectors do not."""
     def make(params):

@@ -18,8 +18,18 @@ A plan says, by module path (``*`` stands for a block's index):
   sizes     the model's head counts, vocabulary and width (n_head, n_kv_head, vocab_size, n_embd;
             a model without attention may leave the heads out; vocab_size is needed with a
             ``vocab_head``, whose logits the vocab-parallel loss reads)
-  embed / block / final   one pipeline stage's forward, piece by piece (token ids -> residual
-            stream -> logits), matching the model's own forward
+  ids / inputs   the pipeline: the forward's argument that holds the token ids, and the other
+            arguments its stages take (Hugging Face: attention_mask, position_ids, labels...);
+            a batch may be a tensor (the ids), a tuple (positional) or a dict (keyword), bound to
+            the model's forward signature as the whole model would take it. Every stage reads
+            them from its own copy of the micro-batch (every pp rank loads the same rows), so
+            nothing but the residual stream travels between stages
+  embed / context / block / final   one pipeline stage's forward, piece by piece, matching the
+            model's own: ``embed(stage, ids, inputs)`` -> residual stream (first stage);
+            ``context(stage, h, inputs)`` once per stage (the attention mask, positions,
+            rotary table; None when there is none); ``block(stage, block, h, context)`` -> h;
+            ``final(stage, h, inputs)`` -> logits, or a ModelOutput with the model's own
+            loss when ``inputs`` holds labels (``prepare(..., loss_from="loss")``)
 
 Plans exist for shardwise's GPT, Hugging Face GPT2LMHeadModel and LlamaForCausalLM; a person's
 model gets one with :func:`register_plan` (``shardwise.register_plan``). The registry is keyed by
@@ -63,9 +73,12 @@ class ModelPlan:
     last: tuple = ()
     shared: tuple = ()
     sizes: Callable[[nn.Module], dict] | None = None
-    embed: Callable | None = None                     # (stage, ids (B, T)) -> (B, T, C)
-    block: Callable | None = None                     # (stage, block, h (B, T, C)) -> h
-    final: Callable | None = None                     # (stage, h) -> logits (B, T, V)
+    ids: str = "input_ids"                            # the forward's token-id argument
+    inputs: tuple = ()                                # the other arguments stages take
+    embed: Callable | None = None                     # (stage, ids (B, T), inputs) -> (B, T, C)
+    context: Callable | None = None                   # (stage, h, inputs) -> what blocks need
+    block: Callable | None = None                     # (stage, block, h (B, T, C), context) -> h
+    final: Callable | None = None                     # (stage, h, inputs) -> logits (B, T, V)
 
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.blocks)
@@ -141,29 +154,79 @@ _REGISTRY["GPT"] = ModelPlan(
     first=("tok_emb", "pos_emb", "drop"), last=("ln_f", "head"),
     sizes=lambda m: dict(n_head=m.cfg.n_head, n_kv_head=m.cfg.n_head,
                          vocab_size=m.cfg.vocab_size, n_embd=m.cfg.n_embd),
-    embed=_gpt_embed, block=lambda stage, b, h: b(h),
-    final=lambda stage, h: stage.head(stage.ln_f(h)))
+    ids="idx", embed=lambda stage, ids, inputs: _gpt_embed(stage, ids),
+    block=lambda stage, b, h, ctx: b(h), final=lambda stage, h, inputs: stage.head(stage.ln_f(h)))
 
 
-# -- Hugging Face GPT-2: Conv1D weights (in, out), lm_head tied to wte ----------------------------
-def _gpt2_embed(stage, ids):
-    t = stage.transformer
-    pos = torch.arange(ids.shape[1], device=ids.device)
-    return t.drop(t.wte(ids) + t.wpe(pos))                                 # (B, T, C)
+# -- Hugging Face models: the pieces of their forward a stage runs ------------------------------
+HF_INPUTS = ("attention_mask", "position_ids", "labels")
+
+
+def _positions(inputs, h):
+    """position_ids as the model's forward makes them: given, or 0..T-1 as (1, T)."""
+    pos = inputs.get("position_ids")
+    return torch.arange(h.shape[1], device=h.device).unsqueeze(0) if pos is None else pos
+
+
+def _hf_mask(stage, h, inputs, pos):
+    """The attention mask the model's forward would build from a 2-D attention_mask (padding)
+    and causality: transformers' own ``create_causal_mask`` (None for plain causal attention,
+    which the attention runs as is_causal). Its keyword names differ between transformers
+    releases, so they are read off its signature."""
+    mask = inputs.get("attention_mask")
+    if mask is None:
+        return None
+    import inspect
+    try:
+        from transformers.masking_utils import create_causal_mask
+    except ImportError:          # transformers older than 4.53
+        raise RuntimeError("an attention_mask under pipeline parallelism is built with "
+                           "transformers' masking_utils (4.53 or newer); fix: pip install -U "
+                           "transformers, or leave attention_mask out of the batch") from None
+    names = inspect.signature(create_causal_mask).parameters
+    kw = dict(config=stage.config, attention_mask=mask.view(h.shape[0], -1),
+              position_ids=pos)
+    kw["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = h
+    for none in ("cache", "past_key_values"):
+        if none in names:
+            kw[none] = None
+    if "cache_position" in names:
+        kw["cache_position"] = torch.arange(h.shape[1], device=h.device)
+    return create_causal_mask(**kw)
 
 
 def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _lm_output(logits):
+def _lm_output(stage, logits, inputs):
     """The last pipeline stage's output of a Hugging Face model: a ModelOutput with its logits,
-    as the model's own forward returns (a user's loss reads ``out["logits"]`` or ``out.logits``)."""
+    as the model's own forward returns (a user's loss reads ``out["logits"]`` or ``out.logits``),
+    and with labels in the batch the model's own loss (its ``loss_function``: shifted
+    cross-entropy, -100 ignored)."""
+    labels = inputs.get("labels")
+    loss = None if labels is None else stage.loss_function(logits=logits, labels=labels,
+                                                    vocab_size=stage.config.vocab_size)
     try:
         from transformers.modeling_outputs import CausalLMOutputWithPast
     except ImportError:          # a model of this plan was built, so transformers is there
-        return {"logits": logits}
-    return CausalLMOutputWithPast(logits=logits)
+        return {"logits": logits} if loss is None else {"loss": loss, "logits": logits}
+    return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+# -- Hugging Face GPT-2: Conv1D weights (in, out), lm_head tied to wte ----------------------------
+def _gpt2_embed(stage, ids, inputs):
+    t = stage.transformer
+    h = t.wte(ids)
+    h = h + t.wpe(_positions(inputs, h))
+    if inputs.get("token_type_ids") is not None:
+        h = h + t.wte(inputs["token_type_ids"])
+    return t.drop(h)                                                       # (B, T, C)
+
+
+def _gpt2_context(stage, h, inputs):
+    pos = _positions(inputs, h)
+    return dict(mask=_hf_mask(stage, h, inputs, pos), pos=pos)
 
 
 _REGISTRY["GPT2LMHeadModel"] = ModelPlan(
@@ -178,15 +241,23 @@ _REGISTRY["GPT2LMHeadModel"] = ModelPlan(
     last=("transformer.ln_f", "lm_head"),
     sizes=lambda m: dict(n_head=m.config.n_head, n_kv_head=m.config.n_head,
                          vocab_size=m.config.vocab_size, n_embd=m.config.n_embd),
-    embed=_gpt2_embed, block=lambda stage, b, h: _first(b(h)),
-    final=lambda stage, h: _lm_output(stage.lm_head(stage.transformer.ln_f(h))))
+    inputs=(*HF_INPUTS, "token_type_ids"), embed=_gpt2_embed, context=_gpt2_context,
+    block=lambda stage, b, h, ctx: _first(b(h, attention_mask=ctx["mask"],
+                                            position_ids=ctx["pos"])),
+    final=lambda stage, h, inputs: _lm_output(stage, stage.lm_head(stage.transformer.ln_f(h)),
+                                              inputs))
 
 
 # -- Hugging Face Llama: RMSNorm and rotary replicated, grouped-query attention -------------------
-def _llama_block(stage, block, h):
-    pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)          # (1, T)
-    rope = stage.model.rotary_emb(h, position_ids=pos)                     # (cos, sin)
-    return _first(block(h, attention_mask=None, position_embeddings=rope, position_ids=pos))
+def _llama_context(stage, h, inputs):
+    pos = _positions(inputs, h)                                            # (1 or B, T)
+    return dict(mask=_hf_mask(stage, h, inputs, pos), pos=pos,
+                rope=stage.model.rotary_emb(h, position_ids=pos))          # (cos, sin)
+
+
+def _llama_block(stage, block, h, ctx):
+    return _first(block(h, attention_mask=ctx["mask"], position_embeddings=ctx["rope"],
+                        position_ids=ctx["pos"]))
 
 
 _REGISTRY["LlamaForCausalLM"] = ModelPlan(
@@ -204,5 +275,6 @@ _REGISTRY["LlamaForCausalLM"] = ModelPlan(
     sizes=lambda m: dict(n_head=m.config.num_attention_heads,
                          n_kv_head=m.config.num_key_value_heads,
                          vocab_size=m.config.vocab_size, n_embd=m.config.hidden_size),
-    embed=lambda stage, ids: stage.model.embed_tokens(ids), block=_llama_block,
-    final=lambda stage, h: _lm_output(stage.lm_head(stage.model.norm(h))))
+    inputs=HF_INPUTS, embed=lambda stage, ids, inputs: stage.model.embed_tokens(ids),
+    context=_llama_context, block=_llama_block,
+    final=lambda stage, h, inputs: _lm_output(stage, stage.lm_head(stage.model.norm(h)), inputs))

@@ -30,6 +30,7 @@ import copy
 import torch
 import torch.nn as nn
 
+from shardwise.data import batch as batches
 from shardwise.parallel.base import OptimizerFactory, Strategy, as_float, grad_sq, \
     optimizer_state_bytes, tensor_bytes, trainable
 
@@ -61,15 +62,16 @@ class DataParallelStrategy(Strategy):
             for group in opt.param_groups:
                 group["lr"] = lr
 
-    def _replica_backward(self, i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of replica i over its rows, in ``grad_accum`` micro-batches."""
+    def _replica_backward(self, i: int, x, y) -> torch.Tensor:
+        """Forward and backward of replica i over its rows (a tensor, tuple or dict of inputs;
+        y None with the model's own loss), in ``grad_accum`` micro-batches."""
         model, dev = self.replicas[i], self.devices[i]
-        xs, ys = x.chunk(self.grad_accum), y.chunk(self.grad_accum)
+        xs, ys = batches.chunk(x, self.grad_accum), batches.chunk(y, self.grad_accum)
         total = torch.zeros((), device=dev)
         for xm, ym in zip(xs, ys):
             with self.autocast():
-                out = model(xm.to(dev))
-            loss = self.loss_fn(as_float(out), ym.to(dev))
+                out = batches.call(model, batches.to(xm, dev))
+            loss = self.loss_fn(as_float(out), batches.to(ym, dev))
             self._scaled(loss / len(xs)).backward()
             total += loss.detach()
         return total / len(xs)
@@ -107,9 +109,12 @@ class DataParallelStrategy(Strategy):
             for b, b0 in zip(r.buffers(), first):
                 b.copy_(b0)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def train_step(self, x, y) -> float:
         k = len(self.replicas)
-        xs, ys = x.chunk(k), y.chunk(k)   # scatter: replica i gets row block i
+        xs, ys = batches.chunk(x, k), batches.chunk(y, k)   # scatter: replica i gets block i
+        if len(xs) < k:
+            raise ValueError(f"strategy dp: a batch of {batches.rows(x)} rows cannot feed "
+                             f"{k} replicas; fix: give at least {k} rows a step")
         self._copy_buffers()
         losses = list(self.pool.map(self._replica_backward, range(k), xs, ys))
         if k > 1:

@@ -31,6 +31,10 @@ Loss normalisation: each micro-batch's mean loss is scaled by 1/m on the last st
 are averaged over dp, so the update equals single training on the global batch's mean loss;
 ``train_step`` returns that mean on every rank (broadcast from the last stage, meter 'metrics').
 Only whole steps run (``engine.train_step``): no rank holds the whole model for ``engine(x)``.
+Several inputs (a dict / tuple batch: attention_mask, position_ids, labels; and
+``loss_from="loss"``, the model's own loss computed by the last stage from the labels): every pp
+rank loads the same rows, so each stage reads the inputs it needs from its own copy of the
+micro-batch (stage.split_batch); only the residual stream crosses stages.
 
 References: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC'21); Rajbhandari et al., "ZeRO" (SC'20) for the optimizer-state sharding.
@@ -45,6 +49,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.comm.reducer import Reducer
+from shardwise.data import batch as batches
 from shardwise.presets import zero_stage
 from shardwise.parallel.base import Strategy
 from shardwise.parallel.hybrid_zero1 import PipelineZero1
@@ -173,12 +178,15 @@ class HybridStrategy(PipelineState, PipelineZero1, Strategy):
             self.dp.restart_count()
         self.dp._sync = sync
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def train_step(self, x, y) -> float:
+        """``x``: token ids, or a tuple / dict of the model's inputs (stage.split_batch); ``y``:
+        the targets, or None with the model's own loss (labels in ``x``)."""
         m, chunks = self.cfg.parallel.num_microbatches, self.grad_accum
         total = torch.zeros((), device=self.device)
-        for k, (xa, ya) in enumerate(zip(x.chunk(chunks), y.chunk(chunks))):
-            xs, ys = xa.chunk(m), ya.chunk(m)
-            shape = (xs[0].shape[0], xs[0].shape[1], self.n_embd)          # (b/m, T, C)
+        for k, (xa, ya) in enumerate(zip(batches.chunk(x, chunks), batches.chunk(y, chunks))):
+            xs, ys = batches.chunk(xa, m), batches.chunk(ya, m)
+            b, t = self.executor.split(xs[0])[0].shape
+            shape = (b, t, self.n_embd)                                    # (b/m, T, C)
             hook = None
             if self.dp is not None:
                 self.dp.begin_pass()
@@ -221,13 +229,13 @@ class HybridStrategy(PipelineState, PipelineZero1, Strategy):
         return t[0]
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor):
+    def evaluate(self, x, y):
         mesh = self.mesh
         self.model.eval()
-        out = evaluate_stages(self.executor, x.to(self.device), (*x.shape, self.n_embd))
+        out = evaluate_stages(self.executor, x, self.n_embd)
         self.model.train()
         if mesh.is_last_stage:
-            loss = self.loss_fn(out, y.to(self.device))
+            loss = self.loss_fn(out, batches.to(y, self.device))
         else:
             loss = torch.zeros((), device=self.device)
         return self.reduce_mean(self._from_last_stage(loss)), None

@@ -9,8 +9,13 @@ losses of every step and the gathered parameters compared with one process on th
 The pipeline runs them too (pp2 and tp2 x pp2 with 1F1B, dp2 x pp2 with ZeRO-1 or GPipe), with
 GPT-2's lm_head on the last stage as a copy of wte on the first, whose gradients the pipeline
 sums; the loop there is engine.train_step (no rank holds the whole model) with train.grad_clip.
+The pipeline also takes several inputs: left-padded dict batches (attention_mask and
+position_ids both change the result; tests/models_hf.py padded_batches) with the model's own loss
+from labels (``loss_from="loss"``, computed on the last stage), or without labels and a user's
+loss on targets (under tp, where loss_from is refused). Every micro-batch holds the same number
+of valid labels, so the mean of micro-batch means is the batch's mean, as one process computes.
 The stage cuts of both models, chained, are also checked in one process: each stage runs the
-model's own modules, so the chain equals the model's forward exactly.
+model's own modules, so the chain equals the model's forward exactly, with those inputs too.
 
 Tolerance: fp32 rtol 1e-5, atol 1e-5 (tests/reference.py says why): tp splits the matmul sums
 and the vocab-parallel loss sums exp over two halves, dp averages ranks' gradients, each in
@@ -28,7 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness import run_world
-from models_hf import SEQ, VOCAB, lm_loss, tiny_gpt2, tiny_llama, token_batches, two_groups
+from models_hf import SEQ, VOCAB, lm_loss, padded_batches, tiny_gpt2, tiny_llama, token_batches, \
+    two_groups
 from reference import ATOL, RTOL
 
 from shardwise.models.plans import ModelPlan, Split, plan_of, register_plan
@@ -144,15 +150,58 @@ def _world(rank, n, runs):
     return out
 
 
+def _targets(batch):
+    """A dict batch without its labels, and the targets a user's next-token loss takes from them
+    (shifted by one; -100, which cross-entropy ignores, where there is no next token)."""
+    x = {k: v for k, v in batch.items() if k != "labels"}
+    y = torch.full_like(batch["labels"], -100)
+    y[:, :-1] = batch["labels"][:, 1:]
+    return x, y
+
+
+def _data(tag, steps=STEPS):
+    """(x, y) batches of a run: token ids, or (``-own``) dict batches with labels (y None), or
+    (``-mask``) dict batches without labels and shifted targets."""
+    if tag.endswith("-own"):
+        return [(b, None) for b in padded_batches(steps)]
+    if tag.endswith("-mask"):
+        return [_targets(b) for b in padded_batches(steps)]
+    return token_batches(steps, BATCH)
+
+
+def _single_padded(family):
+    """The reference of ``-own`` / ``-mask`` runs: the whole dict batch, the model's own loss."""
+    model = BUILD[family](SEED)
+    opt = two_groups(LR)(list(model.parameters()))
+    losses, norms = [], []
+    for batch in padded_batches(STEPS):
+        loss = model(**batch).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    with torch.no_grad():
+        val = float(model(**padded_batches(1, seed=9)[0]).loss)
+    return dict(losses=losses, val=val, norms=norms,
+                params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
 def _pipeline_world(rank, n, runs):
     """Each (tag, family, cfg) with a pipeline: no rank holds the whole model, so the loop is
     engine.train_step (clipping by train.grad_clip), on the same differently seeded ranks."""
     import shardwise
     out = {}
     for tag, family, cfg in runs:
-        engine = shardwise.prepare(BUILD[family](SEED + rank), two_groups(LR), cfg, loss_fn=lm_loss)
-        losses = [engine.train_step(*engine.shard(x, y)) for x, y in token_batches(STEPS, BATCH)]
-        out[tag] = dict(losses=losses, params=engine.full_state_dict(),
+        own = tag.endswith("-own")
+        engine = shardwise.prepare(BUILD[family](SEED + rank), two_groups(LR), cfg,
+                                   **(dict(loss_from="loss") if own else dict(loss_fn=lm_loss)))
+        losses = [engine.train_step(*engine.shard(x, y)) if y is not None else
+                  engine.train_step(engine.shard(x)) for x, y in _data(tag)]
+        val = None
+        if own:
+            val, _ = engine.evaluate(engine.shard(padded_batches(1, seed=9)[0]))
+        out[tag] = dict(losses=losses, params=engine.full_state_dict(), val=val,
                         local=sorted(k for k, _ in engine.strategy.model.named_parameters()))
         engine.close()
     return out
@@ -166,7 +215,12 @@ def _pp_cfg(schedule="1f1b", **parallel):
 
 @pytest.fixture(scope="module")
 def references():
-    return {**{f: _single(f) for f in BUILD}, "gpt2-smooth": _single("gpt2", smooth_loss)}
+    return {**{f: _single(f) for f in BUILD}, "gpt2-smooth": _single("gpt2", smooth_loss),
+            **{f"{f}-padded": _single_padded(f) for f in ("gpt2", "llama")}}
+
+
+def _reference(references, tag, family):
+    return references[f"{family}-padded" if tag.endswith(("-own", "-mask")) else family]
 
 
 def _check(r, ref, tag):
@@ -225,13 +279,18 @@ def test_dp2_tp2_zero3_hf_gpt2_and_llama_world4(references):
 
 def _check_pipeline(results, references, runs):
     for tag, family, _ in runs:
-        r = dict(results[0][tag], norms=references[family]["norms"])   # norms: not returned
-        _check(r, references[family], tag)
+        ref = _reference(references, tag, family)
+        r = dict(results[0][tag], norms=ref["norms"])  # not returned
+        _check(r, ref, tag)
         assert all(res[tag]["losses"] == r["losses"] for res in results)
+        if r["val"] is not None:                 # evaluate on a dict batch, the model's loss
+            assert abs(r["val"] - ref["val"]) <= ATOL + RTOL * ref["val"], tag
 
 
 def test_pp2_hf_gpt2_with_its_tied_head_and_llama_world2(references):
-    runs = [("gpt2", "gpt2", _pp_cfg(pp=2)), ("llama", "llama", _pp_cfg(pp=2))]
+    runs = [("gpt2", "gpt2", _pp_cfg(pp=2)), ("llama", "llama", _pp_cfg(pp=2)),
+            ("gpt2-own", "gpt2", _pp_cfg(pp=2)), ("llama-own", "llama", _pp_cfg(pp=2)),
+            ("llama-zb-own", "llama", _pp_cfg("zb-h1", pp=2))]
     results = run_world(_pipeline_world, 2, runs, timeout=240)
     _check_pipeline(results, references, runs)
     # the first stage holds wte, the last its tied copy as lm_head (both stepped alike)
@@ -243,11 +302,16 @@ def test_pp2_hf_gpt2_with_its_tied_head_and_llama_world2(references):
 def test_3d_hf_gpt2_and_llama_tp2_pp2_and_dp2_pp2_world4(references):
     runs = [(f"{f}-tp-pp", f, _pp_cfg(tp=2, pp=2)) for f in ("gpt2", "llama")]
     runs += [("gpt2-dp-pp-zero1", "gpt2", _pp_cfg(dp=2, pp=2, zero_stage=1)),
-             ("llama-dp-pp-gpipe", "llama", _pp_cfg("gpipe", dp=2, pp=2))]
+             ("llama-dp-pp-gpipe", "llama", _pp_cfg("gpipe", dp=2, pp=2)),
+             ("llama-tp-pp-mask", "llama", _pp_cfg(tp=2, pp=2)),        # loss_from: not under tp
+             ("gpt2-dp-pp-zero1-own", "gpt2", _pp_cfg(dp=2, pp=2, zero_stage=1))]
     results = run_world(_pipeline_world, 4, runs, timeout=240)
     for tag, family, cfg in runs:     # losses agree within a pipeline; replicas alike
-        r = dict(results[0][tag], norms=references[family]["norms"])
-        _check(r, references[family], tag)
+        ref = _reference(references, tag, family)
+        r = dict(results[0][tag], norms=ref["norms"])
+        _check(r, ref, tag)
+        if r["val"] is not None:
+            assert abs(r["val"] - ref["val"]) <= ATOL + RTOL * ref["val"], tag
 
 
 def test_pipeline_stages_of_hf_models_chain_to_the_models_forward():
@@ -258,6 +322,16 @@ def test_pipeline_stages_of_hf_models_chain_to_the_models_forward():
         first, last = PipelineStage(model, bounds, 0), PipelineStage(model, bounds, 1)
         assert bounds == [(0, 1), (1, 2)]
         assert torch.equal(last(first(x)).logits, model(x).logits)  # the same modules, order
+        batch = padded_batches(1)[0]                     # several inputs, the model's own loss
+        ids, inputs = first.split_batch(batch)
+        staged, whole = last(first(ids, None, inputs), None, inputs), model(**batch)
+        assert torch.equal(staged.logits, whole.logits) and torch.equal(staged.loss, whole.loss)
+        plain = {k: batch[k] for k in ("input_ids", "labels")}
+        assert not torch.allclose(model(**plain).loss, whole.loss)   # the mask and positions count
+        with pytest.raises(ValueError, match="also has use_cache, which they would ignore"):
+            first.split_batch({**batch, "use_cache": True})
+        with pytest.raises(ValueError, match="has no 'input_ids'"):
+            first.split_batch({"attention_mask": batch["attention_mask"]})
         names = {last.global_name(k) for k, _ in last.named_parameters()}
         assert names | {k for k, _ in first.named_parameters()} == set(dict(model.named_parameters()))
     tied = tiny_gpt2(0)                     # lm_head.weight is transformer.wte.weight

@@ -1,5 +1,6 @@
-"""Models with several inputs and their own loss, under ddp, zero3 and the parameter server
-(sync, one ps task and two workers), against one process.
+"""Models with several inputs and their own loss, under ddp, zero3, the parameter server
+(sync, one ps task and two workers) and one process's replicas (dp), against one process
+(pipelines: tests/parallel/test_hf_layouts.py).
 
 The model is a Hugging Face GPT-2 (tests/models_hf.py) fed a dict batch: input_ids,
 attention_mask (right padding, different lengths per row), position_ids and labels (-100 on the
@@ -235,7 +236,18 @@ def test_tuple_batch_and_refusals_world1():
     with pytest.raises(ValueError, match="seed is 1, the state was saved with 5"):
         ShardedLoader(Items(), 4, 0, 1, seed=1).load_state_dict(
             ShardedLoader(Items(), 4, 0, 1, seed=5).state_dict())
-    replicas = shardwise.prepare(TwoInputs(), torch.optim.SGD, replace(cfg, parallel=ParallelConfig(
-        strategy="dp")), loss_fn=loss_fn, runtime=engine.runtime)   # its loop feeds one tensor
-    with pytest.raises(ValueError, match="one input tensor"):
-        replicas.train_step(*data[0])
+    # one process, two replicas (strategy dp): a dict batch and the model's own loss, each
+    # replica on half the rows (48 valid labels each), equal to the plain model
+    dp = replace(cfg, parallel=ParallelConfig(strategy="dp", replicas=2))
+    replicas = shardwise.prepare(tiny_gpt2(SEED), lambda ps: torch.optim.SGD(ps, lr=LR), dp,
+                                 loss_from="loss", runtime=engine.runtime)
+    ref = _single()
+    losses = [replicas.train_step(batch) for batch in _batches()]
+    val, _ = replicas.evaluate(_batches(1)[0])
+    for step, (a, b) in enumerate(zip(losses, ref["losses"])):
+        assert abs(a - b) <= ATOL + RTOL * abs(b), f"dp step {step}: {a} vs {b} ({WHY})"
+    assert abs(val - ref["val"]) <= ATOL + RTOL * abs(ref["val"])
+    for name, want in ref["params"].items():
+        torch.testing.assert_close(replicas.full_state_dict()[name], want, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"dp {name}: {m} ({WHY})")
+    replicas.close()

@@ -6,8 +6,9 @@ interleaved pipeline (stage.VirtualStages); every action names its chunk, and ac
 gradients and outputs are kept per (chunk, micro-batch). The first chunk of rank 0 reads the
 token ids, the last chunk of rank p-1 computes the loss.
 
-F i: forward of micro-batch i on the received activation (or the token ids on the first stage);
-on the last stage also the loss, scaled by ``loss_scale`` (1/m: the step's loss is the mean over
+F i: forward of micro-batch i on the received activation (or the token ids on the first stage),
+with the micro-batch's other inputs (attention mask, positions, labels: stage.split_batch), which
+every rank reads from its own copy of the batch; on the last stage also the loss, scaled by ``loss_scale`` (1/m: the step's loss is the mean over
 micro-batches, as in single training). B i: backward from the loss (last stage) or from the
 received output gradient; the input's gradient is what SEND_B sends back. Activations of
 micro-batch i are dropped after B i, and the number of micro-batches held at once is recorded
@@ -45,6 +46,7 @@ import torch.nn as nn
 
 from shardwise.comm.collectives import Comm, Group
 from shardwise.comm import p2p
+from shardwise.data import batch as batches
 from shardwise.comm.p2p import ACT, GRAD, P2POp, exchange
 from shardwise.parallel.pipeline.schedule import Action, peer_of, split_chunks, steps
 
@@ -103,15 +105,23 @@ class PipelineExecutor:
     def _last(self, c: int) -> bool:
         return self.is_last and c == len(self.chunks) - 1
 
-    def run(self, actions: list[Action], xs: list[torch.Tensor], ys: list[torch.Tensor],
-            act_shape: tuple, loss_scale: float, on_backward=None) -> tuple[torch.Tensor, StepRecord]:
-        """One step of the schedule; returns (sum of scaled micro-batch losses, the record).
+    def split(self, batch) -> tuple[torch.Tensor, dict]:
+        """(token ids, other inputs by name) of a micro-batch, on this stage's device."""
+        ids, inputs = self.chunks[0].split_batch(batch)
+        return ids.to(self.device), batches.to(inputs, self.device)
+
+    def run(self, actions: list[Action], xs: list, ys: list, act_shape: tuple,
+            loss_scale: float, on_backward=None) -> tuple[torch.Tensor, StepRecord]:
+        """One step of the schedule over micro-batches ``xs`` (tensors of token ids, or tuples /
+        dicts of inputs) and targets ``ys`` (None with the model's own loss); returns (sum of scaled micro-batch losses, the record).
         The loss is only meaningful on the last stage (zero elsewhere). ``on_backward(mb,
         last)``, when given, runs before each action that computes weight gradients (B, or W
         where the backward is split); ``last``: this stage's final one of the step, after which
         every gradient is complete (data parallelism reduces during it). With several chunks
         no single backward completes every gradient: ``last`` is then never true."""
-        self._xs, self._ys, self._shape, self._scale = xs, ys, act_shape, loss_scale
+        self._xs = [self.split(x) for x in xs]
+        self._ys = [batches.to(y, self.device) for y in ys]
+        self._shape, self._scale = act_shape, loss_scale
         self._split = split_chunks(actions)
         weights = [a for a in actions if a.op == ("W" if a.chunk in self._split else "B")]
         self._last_w = weights[-1] if weights and len(self.chunks) == 1 else None
@@ -145,18 +155,18 @@ class PipelineExecutor:
             self._on_backward(a.mb, a == self._last_w)
 
     def _F(self, i: int, c: int) -> None:
+        ids, inputs = self._xs[i]
         if self._first(c):
-            x = self._xs[i].to(self.device)                 # (b, T) token ids
+            x = ids                                          # (b, T) token ids
         else:
             x = self._inputs[(c, i)]                         # (b, T, C), requires grad
         with self.autocast():
+            bounds = None
             if c in self._split:                             # keep the block boundaries too
-                self._bounds[(c, i)] = bounds = []
-                out = _fp32(self.chunks[c](x, bounds))
-            else:
-                out = _fp32(self.chunks[c](x))               # fp32 on the wire and into the loss
+                bounds = self._bounds[(c, i)] = []
+            out = _fp32(self.chunks[c](x, bounds, inputs))   # fp32 on the wire and into the loss
         if self._last(c):
-            out = self.loss_fn(out, self._ys[i].to(self.device)) * self._scale
+            out = self.loss_fn(out, self._ys[i]) * self._scale
             self._loss += out.detach()
         self._outputs[(c, i)] = out
 
@@ -222,19 +232,24 @@ def _fp32(out):
     if torch.is_tensor(out):
         return out.float()
     out["logits"] = out["logits"].float()
+    if out.get("loss") is not None:
+        out["loss"] = out["loss"].float()
     return out
 
 
 @torch.no_grad()
-def evaluate_stages(ex: PipelineExecutor, x: torch.Tensor, act_shape: tuple):
-    """A whole batch forward through the pipeline, no schedule: each of this rank's chunks in
-    virtual-stage order, receiving from the previous rank and sending to the next (meter
-    ``pp_eval``). Returns the last chunk's output: the logits on the last rank."""
+def evaluate_stages(ex: PipelineExecutor, x, width: int):
+    """A whole batch (token ids, or a tuple / dict of inputs) forward through the pipeline, no
+    schedule: each of this rank's chunks in virtual-stage order, receiving the (B, T, width)
+    residual stream from the previous rank and sending to the next (meter ``pp_eval``).
+    Returns the last chunk's output: the logits (or ModelOutput) on the last rank."""
     p, out = ex.num_stages, None
+    ids, inputs = ex.split(x)
     for c, chunk in enumerate(ex.chunks):
-        h = x if ex._first(c) else p2p.recv(ex.comm, ex.group, act_shape, (ex.index - 1) % p,
-                                            device=ex.device, name="pp_eval")
-        out = chunk(h)
+        h = ids if ex._first(c) else p2p.recv(ex.comm, ex.group, (*ids.shape, width),
+                                              (ex.index - 1) % p, device=ex.device,
+                                              name="pp_eval")
+        out = chunk(h, None, inputs)
         if not ex._last(c):
             p2p.send(ex.comm, ex.group, out, (ex.index + 1) % p, name="pp_eval")
     return out

@@ -15,6 +15,8 @@ stage further at block boundaries (:meth:`PipelineStage.weight_segments`).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
 
@@ -130,23 +132,68 @@ class PipelineStage(nn.Module):
             _place(self, path, gpt.get_submodule(path))
         # the last stage's copies of tied weights (none when one stage holds both ends)
         self.tied = {} if self.is_first or not self.is_last else tied_across_stages(gpt, plan)
+        # what the plan's pieces read off the model as its own forward does (a Hugging Face
+        # model's config: masks, vocabulary; its loss_function: the loss from labels)
+        self.config = getattr(gpt, "config", None)
+        self.loss_function = getattr(gpt, "loss_function", None) if self.is_last else None
+        self.model_class = type(gpt).__name__
+        self.signature = inspect.signature(gpt.forward)
+
+    def split_batch(self, batch) -> tuple[torch.Tensor, dict]:
+        """(token ids, the other inputs by name) of a micro-batch: a tensor (the ids), a tuple
+        (positional) or a dict (keyword), bound to the model's forward signature as the whole
+        model would take it. Inputs the plan's stages do not take are refused (they would
+        otherwise be dropped without a word)."""
+        if torch.is_tensor(batch):
+            return batch, {}
+        args, kwargs = (tuple(batch), {}) if isinstance(batch, (tuple, list)) else ((), dict(batch))
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise ValueError(f"the batch does not fit {self.model_class}.forward ({e}); fix: "
+                             "pass a dict of its keyword arguments") from None
+        named = {}
+        for name, value in bound.arguments.items():
+            param = self.signature.parameters[name]
+            extra = value if param.kind is param.VAR_KEYWORD else {name: value}
+            named.update({k: v for k, v in extra.items()
+                          if v is not None and not (k in self.signature.parameters and
+                                                    v is self.signature.parameters[k].default)})
+        ids = named.pop(self.plan.ids, None)
+        if not torch.is_tensor(ids):
+            raise ValueError(f"the pipeline's first stage embeds the token ids, and this batch "
+                             f"has no {self.plan.ids!r}; fix: put the token ids in the batch "
+                             f"as {self.plan.ids!r}")
+        unknown = sorted(set(named) - set(self.plan.inputs))
+        if unknown:
+            takes = ", ".join((self.plan.ids, *self.plan.inputs))
+            raise ValueError(f"the pipeline stages of {self.model_class} take {takes}; this batch "
+                             f"also has {', '.join(unknown)}, which they would ignore; fix: drop "
+                             "them, or train with pp = 1 (ddp, zero1-3, tp), where the whole "
+                             "model's forward takes any input")
+        return ids, named
 
     @property
     def stage_blocks(self) -> nn.ModuleList:
         return self.get_submodule(self.plan.blocks)
 
-    def forward(self, x: torch.Tensor, boundaries: list | None = None) -> torch.Tensor:
-        """``boundaries``, when given, receives the residual stream entering the first block and
-        leaving each block (a split backward's cut points: :meth:`weight_segments`)."""
+    def forward(self, x: torch.Tensor, boundaries: list | None = None,
+                inputs: dict | None = None) -> torch.Tensor:
+        """``inputs``: the micro-batch's other inputs by name (:meth:`split_batch`: attention
+        mask, positions, labels); ``boundaries``, when given, receives the residual stream
+        entering the first block and leaving each block (a split backward's cut points:
+        :meth:`weight_segments`)."""
+        inputs = inputs or {}
         if self.is_first:                                   # x: (B, T) token ids
-            x = self.plan.embed(self, x)                    # (B, T, C)
+            x = self.plan.embed(self, x, inputs)            # (B, T, C)
         if boundaries is not None:
             boundaries.append(x)
+        ctx = self.plan.context(self, x, inputs) if self.plan.context else None
         for block in self.stage_blocks:                     # (B, T, C)
-            x = self.plan.block(self, block, x)
+            x = self.plan.block(self, block, x, ctx)
             if boundaries is not None:
                 boundaries.append(x)
-        return self.plan.final(self, x) if self.is_last else x
+        return self.plan.final(self, x, inputs) if self.is_last else x
 
     def weight_segments(self) -> list[tuple[int | None, list[nn.Parameter]]]:
         """This stage's trainable parameters cut at the forward's boundaries: (k, params) where
