@@ -36,6 +36,24 @@ def shard_range(n: int, rank: int, parts: int) -> tuple[int, int]:
     return start, start + sizes[rank]
 
 
+def all_gather_uneven(t: torch.Tensor, dim: int, full: int, comm: Comm, group: Group, name: str,
+                      parts: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's piece of dimension ``dim``, split as ``split_sizes(full,
+    group.size)`` (pieces may differ by one): each piece padded to the largest, one
+    ``all_gather``, the padding cut off. ``parts`` > 1: each rank's piece is ``parts`` groups
+    (a fused q | k | v), reassembled group by group (all ranks' q, then k, then v). No autograd."""
+    sizes = split_sizes(full, group.size)
+    local = t.movedim(dim, 0).contiguous()                       # (parts * size_r, ...)
+    rest, width = local.shape[1:], parts * max(sizes)
+    padded = torch.zeros((width, *rest), dtype=t.dtype, device=t.device)
+    padded[: local.shape[0]] = local
+    out = torch.empty((group.size * width, *rest), dtype=t.dtype, device=t.device)
+    comm.all_gather(out, padded, group, name=name)
+    pieces = [out[r * width + j * n: r * width + (j + 1) * n]
+              for j in range(parts) for r, n in enumerate(sizes)]
+    return torch.cat(pieces).movedim(0, dim).contiguous()
+
+
 class _CopyToTP(torch.autograd.Function):
     """f: identity forward, allreduce (sum) of the gradient backward."""
 
@@ -86,16 +104,8 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, full: int, comm: Comm, group: Group, name: str):
-        sizes = split_sizes(full, group.size)
-        ctx.start, ctx.size = sum(sizes[:group.rank]), x.shape[-1]
-        local = x.movedim(-1, 0).contiguous()                  # (V_local, ...)
-        width = max(sizes)
-        padded = torch.zeros((width, *local.shape[1:]), dtype=x.dtype, device=x.device)
-        padded[: local.shape[0]] = local
-        out = torch.empty((group.size * width, *local.shape[1:]), dtype=x.dtype, device=x.device)
-        comm.all_gather(out, padded, group, name=name)
-        pieces = [out[r * width: r * width + n] for r, n in enumerate(sizes)]
-        return torch.cat(pieces).movedim(0, -1).contiguous()  # (..., V)
+        ctx.start, ctx.size = shard_range(full, group.rank, group.size)[0], x.shape[-1]
+        return all_gather_uneven(x, -1, full, comm, group, name)       # (..., V)
 
     @staticmethod
     def backward(ctx, grad):

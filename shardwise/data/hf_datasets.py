@@ -59,10 +59,10 @@ def load(data_path: str, column: str):
     return ds
 
 
-def read_chunks(data_path: str, column: str, chunk_chars: int = CHUNK_CHARS):
-    """Yield (UTF-8 bytes, text) of the column's rows, each followed by a blank line, about
-    ``chunk_chars`` characters at a time (a chunk ends at a row's end, so no row is cut)."""
-    ds = load(data_path, column)
+def read_chunks(ds, column: str, chunk_chars: int = CHUNK_CHARS):
+    """Yield (UTF-8 bytes, text) of the column's rows of dataset ``ds`` (:func:`load`), each
+    followed by a blank line, about ``chunk_chars`` characters at a time (a chunk ends at a
+    row's end, so no row is cut)."""
     parts, size = [], 0
     for batch in ds.iter(batch_size=ROWS_PER_READ):
         for text in batch[column]:

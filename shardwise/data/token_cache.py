@@ -126,13 +126,6 @@ def prepare(data_path: str, spec: str, cache_dir: str = "", timeout: float = 300
         raise ConfigError("data.text_column", text_column, f"only a Hugging Face dataset saved "
                           f"to disk has columns, and {data_path} is not one", "drop "
                           "--text-column, or point --data-path at a save_to_disk folder")
-    if saved:
-        def chunks():
-            return hf_datasets.read_chunks(data_path, text_column)
-        hf_datasets.load(data_path, text_column)     # its refusals, before anything is built
-    else:
-        def chunks():
-            return (pair for f in files for pair in textfiles.read_chunks(f))
     try:
         folder = folder_for(files, spec, cache_dir, text_column if saved else None)
     except (ValueError, OSError) as exc:
@@ -141,6 +134,14 @@ def prepare(data_path: str, spec: str, cache_dir: str = "", timeout: float = 300
     found = _read_meta(folder)
     if found is not None:
         return found
+    if saved:    # loaded once (memory-mapped), refused here before anything is built
+        dataset = hf_datasets.load(data_path, text_column)
+
+        def chunks():
+            return hf_datasets.read_chunks(dataset, text_column)
+    else:
+        def chunks():
+            return (pair for f in files for pair in textfiles.read_chunks(f))
     total = sum(os.path.getsize(f) for f in files)
     if total == 0:
         raise ConfigError("data.data_path", data_path, f"the corpus is empty ({len(files)} "

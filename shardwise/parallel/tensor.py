@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.comm.autograd import (copy_to_tp, reduce_from_tp, shard_range, split_sizes,
+from shardwise.comm.autograd import (all_gather_uneven, copy_to_tp, reduce_from_tp, shard_range,
                                      vocab_parallel_embedding)
 from shardwise.comm.collectives import Comm, Group
 from shardwise.memory.lora import LoRALinear
@@ -244,19 +244,8 @@ def split_from_rank0(model: nn.Module, mesh, comm: Comm, device, loss_fn):
 
 def gather_tp(t: torch.Tensor, spec: ShardSpec, comm: Comm, group: Group) -> torch.Tensor:
     """The full tensor from every tp rank's piece (all ranks get it; metered 'gather_state')."""
-    sizes = split_sizes(spec.full, group.size)
-    local = t.detach().movedim(spec.dim, 0).contiguous()              # (parts*size_r, ...)
-    rest = local.shape[1:]
-    width = spec.parts * max(sizes)
-    padded = torch.zeros((width, *rest), dtype=t.dtype, device=t.device)
-    padded[: local.shape[0]] = local
-    out = torch.empty((group.size * width, *rest), dtype=t.dtype, device=t.device)
-    comm.all_gather(out, padded, group, name="gather_state")
-    pieces = []
-    for j in range(spec.parts):          # group j (q, k or v) of every rank, in rank order
-        for r, n in enumerate(sizes):
-            pieces.append(out[r * width + j * n: r * width + (j + 1) * n])
-    return torch.cat(pieces).movedim(0, spec.dim).contiguous()
+    return all_gather_uneven(t.detach(), spec.dim, spec.full, comm, group, "gather_state",
+                             parts=spec.parts)
 
 
 @dataclass

@@ -43,11 +43,16 @@ def _argv(path, tmp_path, *extra):
             "--out-dir", str(tmp_path / "runs"), *extra]
 
 
-def test_the_column_is_the_corpus_and_the_cache_is_reused(tmp_path):
+def test_the_column_is_the_corpus_and_the_cache_is_reused(tmp_path, monkeypatch):
+    from shardwise.data import hf_datasets
+    loads = []
+    real_load = hf_datasets.load
+    monkeypatch.setattr(hf_datasets, "load", lambda *a: loads.append(a) or real_load(*a))
     path = _saved(tmp_path)
     check_train(_argv(path, tmp_path))                         # tokenized before launch
+    assert len(loads) == 1                                     # loaded once to tokenize
     corpus = token_cache.prepare(str(path), "bytes", str(tmp_path / "c"), text_column="body")
-    assert not corpus.built                                    # found: check_train built it
+    assert not corpus.built and len(loads) == 1                # found: check_train built it
     expected = "".join(r + "\n\n" for r in ROWS if r is not None).encode()
     assert bytes(corpus.tokens()) == expected
     # a DatasetDict: its train split, not the validation one
