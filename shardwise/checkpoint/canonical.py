@@ -13,13 +13,13 @@ Loading (another layout): every rank reads the model tensors into the plain mode
 ``prepare`` (every layout starts from global rank 0's weights and shards them itself), then
 the optimizer tensors, and ``strategy.load_canonical_optimizer_state`` keeps this rank's piece.
 
-Layouts whose optimizer state has this form: single, ddp, zero1-3, tp, the pipeline (pp and
-3d: its stages' states merged over pp, parallel/state.py's PipelineState) and the parameter
-server (its ps tasks' states merged over the world, parallel/ps.py), with Adam, AdamW or SGD
-(:func:`why_not_reshardable`). Single-process dp, 8-bit AdamW (moments quantised in blocks of
-the flat shard: a reshard would re-block them) and LoRA (the adapters are injected inside
-``prepare``, after the plain model is loaded) keep their own layouts: their checkpoints resume
-exactly in the same layout, and export, but do not reshard.
+Layouts whose optimizer state has this form: single, dp (replica 0's; every replica loads it),
+ddp, zero1-3, tp, the pipeline (pp and 3d: its stages' states merged over pp, parallel/state.py's
+PipelineState) and the parameter server (its ps tasks' states merged over the world,
+parallel/ps.py), with Adam, AdamW or SGD (:func:`why_not_reshardable`). 8-bit AdamW (moments
+quantised in blocks of the flat shard: a reshard would re-block them) and LoRA (the adapters are
+injected inside ``prepare``, after the plain model is loaded) keep their own layouts: their
+checkpoints resume exactly in the same layout, and export, but do not reshard.
 """
 from __future__ import annotations
 
@@ -33,9 +33,6 @@ MODEL, OPTIM = "model/", "optim/"
 
 def why_not_reshardable(cfg: Config) -> str | None:
     """None when ``cfg``'s layout saves (and loads) the layout-free optimizer state; else why."""
-    p = cfg.parallel
-    if p.strategy == "dp":
-        return "strategy dp keeps its optimizer in its own layout"
     if cfg.train.optimizer == "adamw8bit":
         return "8-bit AdamW's moments are quantised in blocks of the flat shard"
     if cfg.memory.lora_rank > 0:

@@ -163,6 +163,14 @@ class DataParallelStrategy(Strategy):
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
 
+    # the layout-free optimizer state (checkpoint/canonical.py): replica 0's, as the base saves
+    # it (every replica's is the same); loading gives each replica's optimizer its own copy
+    def load_canonical_optimizer_state(self, state: dict) -> None:
+        for model, opt in zip(self.replicas, self.optimizers):
+            self.model, self.optimizer = model, opt
+            super().load_canonical_optimizer_state(state)
+        self.model, self.optimizer = self.replicas[0], self.optimizers[0]
+
     def memory_ledger(self) -> dict[str, int]:
         params = [p for r in self.replicas for p in r.parameters()]
         return {"parameters": tensor_bytes(params),

@@ -95,9 +95,9 @@ def _kill_at(proc, ck: str, out_dir: str, attempt: int, after: int, rank: int,
     os.kill(pid, signal.SIGKILL)
 
 
-# each start of a world of 2 (launcher, torchrun, the ranks' imports) takes ~10 s on a quiet
-# machine and up to a minute on a loaded one: four starts here
-@pytest.mark.slow   # four launcher + world start-ups (~60 s quiet, 10 min at load 11): -m slow
+# each start of a world of 2 (launcher, torchrun, the ranks' imports) takes 4-15 s on a quiet
+# machine and up to a minute on a loaded one: four starts here (19 s in all on a quiet 2-core
+# machine on 2026-12-02; in the default suite, since it is the only test of restarts that kill)
 @pytest.mark.timeout(1200)
 def test_a_rank_killed_at_three_steps_restarts_and_ends_like_an_uninterrupted_run(tmp_path):
     from safetensors.torch import load_file
