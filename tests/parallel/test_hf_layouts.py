@@ -324,7 +324,7 @@ def test_pipeline_stages_of_hf_models_chain_to_the_models_forward():
         assert torch.equal(last(first(x)).logits, model(x).logits)  # the same modules, order
         batch = padded_batches(1)[0]                     # several inputs, the model's own loss
         ids, inputs = first.split_batch(batch)
-        staged, whole = last(first(ids, None, inputs), None, inputs), model(**batch)
+        staged, whole = last(first(ids, inputs), inputs), model(**batch)
         assert torch.equal(staged.logits, whole.logits) and torch.equal(staged.loss, whole.loss)
         plain = {k: batch[k] for k in ("input_ids", "labels")}
         assert not torch.allclose(model(**plain).loss, whole.loss)   # the mask and positions count

@@ -14,14 +14,13 @@ received output gradient; the input's gradient is what SEND_B sends back. Activa
 micro-batch i are dropped after B i, and the number of micro-batches held at once is recorded
 (its peak is GPipe's m or 1F1B's p - s).
 
-Split backward (a chunk whose actions include W, ZB-H1): F also keeps the residual stream at
-every block boundary (stage.PipelineStage.forward). B i is ``torch.autograd.grad`` of the output
-with respect to the stage input and those boundaries, graph kept (``retain_graph``): the input
-gradient, sent upstream at once, and each block's output gradient, no weight gradient at all.
-W i then runs, per block (and for the embeddings and the head), ``torch.autograd.backward`` from
-that block's output with its output gradient, restricted to the block's parameters (``inputs``):
-it accumulates into ``.grad`` exactly the terms of the unsplit backward (a gradient hook sees
-the same calls), traversing only that block's graph, and frees it. Activations stay until W.
+Split backward (a chunk whose actions include W, ZB-H1; parallel/pipeline/split_backward.py):
+B i computes only the stage input's gradient, sent upstream at once, keeping the graph and the
+gradients at the junctions where the weights' branches meet the input path; W i then runs only
+the weights' branches from those junctions, accumulating into ``.grad`` through each weight's
+AccumulateGrad (a gradient hook sees the same calls as in an unsplit backward). Neither pass
+repeats the other's work. On the first stage (token ids in, nothing to send) B does nothing
+and W is the whole backward. Activations stay until W.
 
 Sends do not block: their Works stay in flight while the stage computes the next action and
 are waited at the end of the step (comm/p2p.py); receives are waited before the action that
@@ -49,6 +48,7 @@ from shardwise.comm import p2p
 from shardwise.data import batch as batches
 from shardwise.comm.p2p import ACT, GRAD, P2POp, exchange
 from shardwise.parallel.pipeline.schedule import Action, peer_of, split_chunks, steps
+from shardwise.parallel.pipeline.split_backward import SplitBackward
 
 
 @dataclass
@@ -126,11 +126,11 @@ class PipelineExecutor:
         weights = [a for a in actions if a.op == ("W" if a.chunk in self._split else "B")]
         self._last_w = weights[-1] if weights and len(self.chunks) == 1 else None
         self._on_backward = on_backward
-        self._segments = {c: self.chunks[c].weight_segments() for c in self._split}
+        self._params = {c: list(self.chunks[c].parameters()) for c in self._split}
         self._inputs: dict[tuple, torch.Tensor] = {}   # received activations (need their grad)
         self._outputs: dict[tuple, torch.Tensor] = {}  # stage outputs (or scaled losses)
         self._grads: dict[tuple, torch.Tensor] = {}    # received output gradients
-        self._bounds: dict[tuple, list] = {}           # split: block boundaries, then their grads
+        self._pending: dict[tuple, SplitBackward] = {}  # split: B done, W to come
         self._loss = torch.zeros((), device=self.device)
         self._in_flight: list = []                     # sends still draining (work, tensor)
         rec = StepRecord(self.index)
@@ -161,10 +161,7 @@ class PipelineExecutor:
         else:
             x = self._inputs[(c, i)]                         # (b, T, C), requires grad
         with self.autocast():
-            bounds = None
-            if c in self._split:                             # keep the block boundaries too
-                bounds = self._bounds[(c, i)] = []
-            out = _fp32(self.chunks[c](x, bounds, inputs))   # fp32 on the wire and into the loss
+            out = _fp32(self.chunks[c](x, inputs))     # fp32 on the wire and into the loss
         if self._last(c):
             out = self.loss_fn(out, self._ys[i]) * self._scale
             self._loss += out.detach()
@@ -182,24 +179,20 @@ class PipelineExecutor:
             out.backward(self._grads.pop((c, i)))
 
     def _input_grad(self, i: int, c: int) -> None:
-        """Split B: gradients of the input and of every block boundary, no weight gradient."""
-        out, bounds = self._outputs[(c, i)], self._bounds[(c, i)]
+        """Split B: the input's gradient only (split_backward.py)."""
         grad_out = None if self._last(c) else self._grads.pop((c, i))
-        grads = torch.autograd.grad(out, bounds, grad_out, retain_graph=True)
-        self._bounds[(c, i)] = (bounds, grads)
-        if not self._first(c):
-            self._inputs[(c, i)].grad = grads[0]             # what SEND_B sends
+        stage_input = None if self._first(c) else self._inputs[(c, i)]
+        split = SplitBackward(self._outputs[(c, i)], grad_out, stage_input, self._params[c])
+        grad = split.input_grad()
+        self._pending[(c, i)] = split
+        if stage_input is not None:
+            stage_input.grad = grad                          # what SEND_B sends
 
     def _W(self, i: int, c: int) -> None:
-        """Split W: each segment's weights from its own output gradient (module docstring)."""
+        """Split W: the weights' gradients from the junctions B kept (split_backward.py)."""
         self._hook(Action("W", i, c))
-        out = self._outputs.pop((c, i))
-        bounds, grads = self._bounds.pop((c, i))
-        for k, params in self._segments[c]:
-            if k is None:                                    # the head: from the loss itself
-                torch.autograd.backward(out, inputs=params)
-            else:
-                torch.autograd.backward(bounds[k], grads[k], inputs=params)
+        self._pending.pop((c, i)).weight_grad()
+        self._outputs.pop((c, i))
 
     def _transfer(self, batch: list[Action]) -> None:
         ops, p, v = [], self.num_stages, len(self.chunks)
@@ -249,7 +242,7 @@ def evaluate_stages(ex: PipelineExecutor, x, width: int):
         h = ids if ex._first(c) else p2p.recv(ex.comm, ex.group, (*ids.shape, width),
                                               (ex.index - 1) % p, device=ex.device,
                                               name="pp_eval")
-        out = chunk(h, None, inputs)
+        out = chunk(h, inputs)
         if not ex._last(c):
             p2p.send(ex.comm, ex.group, out, (ex.index + 1) % p, name="pp_eval")
     return out

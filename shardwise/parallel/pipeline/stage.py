@@ -10,8 +10,7 @@ A weight tied between the first and the last stage (GPT-2's wte / lm_head) is ke
 through :meth:`PipelineStage.global_name` (``blocks.0`` of stage 1 may be ``blocks.2``).
 
 Interleaved schedules cut p·v virtual stages the same way and give rank r the chunks r, r + p,
-..., r + (v-1)p (:class:`VirtualStages`, :func:`stage_of`). A split backward (ZB-H1) cuts a
-stage further at block boundaries (:meth:`PipelineStage.weight_segments`).
+..., r + (v-1)p (:class:`VirtualStages`, :func:`stage_of`).
 """
 from __future__ import annotations
 
@@ -177,37 +176,16 @@ class PipelineStage(nn.Module):
     def stage_blocks(self) -> nn.ModuleList:
         return self.get_submodule(self.plan.blocks)
 
-    def forward(self, x: torch.Tensor, boundaries: list | None = None,
-                inputs: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:
         """``inputs``: the micro-batch's other inputs by name (:meth:`split_batch`: attention
-        mask, positions, labels); ``boundaries``, when given, receives the residual stream
-        entering the first block and leaving each block (a split backward's cut points:
-        :meth:`weight_segments`)."""
+        mask, positions, labels)."""
         inputs = inputs or {}
         if self.is_first:                                   # x: (B, T) token ids
             x = self.plan.embed(self, x, inputs)            # (B, T, C)
-        if boundaries is not None:
-            boundaries.append(x)
         ctx = self.plan.context(self, x, inputs) if self.plan.context else None
         for block in self.stage_blocks:                     # (B, T, C)
             x = self.plan.block(self, block, x, ctx)
-            if boundaries is not None:
-                boundaries.append(x)
         return self.plan.final(self, x, inputs) if self.is_last else x
-
-    def weight_segments(self) -> list[tuple[int | None, list[nn.Parameter]]]:
-        """This stage's trainable parameters cut at the forward's boundaries: (k, params) where
-        boundary k is the segment's output (0: the embeddings, 1..L: block k-1) and None the
-        head, whose output is the stage's output. Segments without trainable ones are left out."""
-        def trainable(paths):
-            return [q for path in paths for q in self.get_submodule(path).parameters()
-                    if q.requires_grad]
-        segments = [(0, trainable(self.plan.first))] if self.is_first else []
-        segments += [(k + 1, [q for q in b.parameters() if q.requires_grad])
-                     for k, b in enumerate(self.stage_blocks)]
-        if self.is_last:
-            segments.append((None, trainable(self.plan.last)))
-        return [(k, params) for k, params in segments if params]
 
     def global_name(self, local: str) -> str:
         """The single-model name of one of this stage's parameters (a tied copy answers to
