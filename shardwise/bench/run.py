@@ -218,8 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results: {out_dir} ({len(chosen)} rows, {reps} reps, load "
           f"{os.getloadavg()[0]:.2f})", flush=True)
     started = time.perf_counter()
+    failed = []
     for row in chosen:
-        result = run_row(row, reps, quick=args.quick)
+        try:
+            result = run_row(row, reps, quick=args.quick)
+        except (RuntimeError, TimeoutError) as exc:     # a rank failed: say so, go on
+            failed.append(row.name)
+            print(f"{row.name}: failed, no result written: {_last_error(exc)}", file=sys.stderr,
+                  flush=True)
+            continue
         with open(os.path.join(out_dir, f"{row.name}.json"), "w") as fh:
             json.dump(result, fh, indent=2)
         ratio = result.get("throughput_ratio")
@@ -232,12 +239,23 @@ def main(argv: list[str] | None = None) -> int:
         from shardwise.bench.gpu import run_gpu_part
         gpu = run_gpu_part(out_dir, quick=args.quick)
     print(f"total: {time.perf_counter() - started:.0f} s")
-    if not chosen and gpu is None:
+    ran = [r for r in chosen if r.name not in failed]
+    if not ran and gpu is None:
         print("report: none (no row ran)")
-        return 0
-    from shardwise.bench.report import write_report
-    print(f"report: {write_report(out_dir)}")
+    else:
+        from shardwise.bench.report import write_report
+        print(f"report: {write_report(out_dir)}")
+    if failed:
+        print(f"error: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _last_error(exc: BaseException) -> str:
+    """The last line of a failed rank's traceback (the error itself), or the exception's."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if not line.startswith(("File ", "Traceback", "---", "^"))]
+    return (errors[-1] if errors else type(exc).__name__)[:300]
 
 
 if __name__ == "__main__":

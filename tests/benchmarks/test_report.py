@@ -121,3 +121,29 @@ def test_row_selection_quick_set_and_refusals(capsys):
     assert err.count("\n") == 1 and "nope-*" in err and "fix:" in err
     assert main(["--reps", "0"]) == 2
     assert main(["--save", "--out", "/tmp/x"]) == 2
+
+
+def _raises(rank, world, **_):
+    raise ValueError("parallel.num_microbatches = 1: a row that cannot run")
+
+
+def _fine(rank, world, **_):
+    return {"items_per_s": 10.0}
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_row_is_one_line_and_the_others_still_run(tmp_path, capsys, monkeypatch):
+    """A row whose ranks fail: one line naming it and the error, no traceback; the next row
+    still runs and is reported; the exit code says a row failed (1)."""
+    from shardwise.bench import run
+    from shardwise.bench.harness import Row
+    rows = {"broken": ("demo", Row("broken", _raises, None, world=1)),
+            "fine": ("demo", Row("fine", _fine, None, world=1))}
+    monkeypatch.setattr(run, "all_rows", lambda: rows)
+    assert run.main(["broken", "fine", "--reps", "1", "--out", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert "broken: failed, no result written: ValueError: parallel.num_microbatches = 1" in err
+    assert "Traceback" not in out + err
+    assert "error: 1 row(s) failed: broken" in err
+    assert (tmp_path / "fine.json").exists() and not (tmp_path / "broken.json").exists()
+    assert "fine: ours 10/s" in out

@@ -141,7 +141,7 @@ def bubble_table(rank, world):
         for m in (1, 2, 4, 8):
             for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
                                 ("zb-h1", 1)):
-                if p * v > 4:                   # the benchmark GPT has 4 blocks
+                if p * v > 4 or (v > 1 and m % p):   # 4 blocks; interleaving needs m = k·p
                     continue
                 extra = {"virtual_stages": v} if v > 1 else {}
                 cfg = gpt_bench_config("3d", parallel={"pp": p, "dp": world // p, "schedule": schedule,
