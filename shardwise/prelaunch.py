@@ -1,0 +1,118 @@
+"""What ``shardwise train`` settles before it starts any process: the one-line refusal, the
+sizes only files know (a Hugging Face config's vocabulary, a text corpus tokenized into the
+cache once), optional packages and data files a setting needs, and where a world that torchrun
+restarted resumes. shardwise/cli.py's check_train calls these in order; nothing here starts a
+process or imports torch at module level.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardwise.config import Config, ConfigError, read_file
+
+
+def error(msg: str) -> int:
+    """Print one ``error:`` line (a message is one line by contract) and return exit code 2."""
+    print("error: " + msg.replace("\n", "\\n"), file=sys.stderr)
+    return 2
+
+
+class FinishedBeforeRestart(Exception):
+    """A restarted world whose newest checkpoint is at the last step: nothing left to train."""
+
+
+def resume_after_restart(cfg: Config) -> Config:
+    """In a world torchrun's agent restarted (``--max-restarts``; TORCHELASTIC_RESTART_COUNT >
+    0) with a checkpoint folder: ``train.resume`` when the folder holds a complete checkpoint
+    (the refusal of a fresh run into a used folder is for people, not for restarts), else the
+    config as it is (no save was published: the run starts over from step 0)."""
+    from shardwise import launch
+    from shardwise.checkpoint import store
+    folder = store.latest(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
+    if not launch.restart_count() or folder is None:
+        return cfg
+    step = int(store.read_meta(folder)["step"])
+    if step >= cfg.train.steps:   # a rank died after the final save
+        raise FinishedBeforeRestart(f"restart {launch.restart_count()}: the checkpoint {folder} "
+                                     f"is at the last step ({step}); nothing left to train")
+    from dataclasses import replace
+    return replace(cfg, train=replace(cfg.train, resume=True))
+
+
+def restart_step(cfg: Config) -> int | None:
+    """The step a restarted world resumes from (None: from scratch)."""
+    from shardwise.checkpoint import store
+    return int(store.read_meta(store.latest(cfg.train.checkpoint_dir))["step"]) \
+        if cfg.train.resume else None
+
+
+def warn_emulated(cfg: Config) -> None:
+    """fp16 autocast on a CPU works but is emulated: say so once, before the run."""
+    import torch
+    on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+    if cfg.memory.mixed_precision == "fp16" and on_cpu:
+        print("warning: memory.mixed_precision = 'fp16' on a CPU is emulated and slow (and bf16 "
+              "needs no loss scaling); use --mixed-precision bf16 on CPUs", file=sys.stderr,
+              flush=True)
+
+
+def given(args: argparse.Namespace, section: str, name: str) -> bool:
+    """Whether the person set ``section.name``: a flag, or a key in the --config file."""
+    if hasattr(args, f"{section}.{name}"):
+        return True
+    data = read_file(args.config) if getattr(args, "config", None) else {}
+    keys = data.get(section) if isinstance(data, dict) else None
+    return isinstance(keys, dict) and any(str(k).replace("-", "_") == name for k in keys)
+
+
+def resolve_model_data(cfg: Config, args: argparse.Namespace, world: int) -> Config:
+    """Sizes known only from files, before launch: the vocabulary a Hugging Face config file
+    fixes; for --dataset text, the corpus tokenized into the token cache (once: later runs and
+    the ranks find it there) and model.vocab_size set to the tokenizer's unless given (a given
+    one that is too small is refused); a --hf-weights checkpoint's tensors against the model."""
+    from dataclasses import replace
+    from shardwise.models import configured_vocab, hf
+    from shardwise.validate import validate
+    before, given_vocab = cfg, given(args, "model", "vocab_size")
+    fixed = configured_vocab(cfg.model)
+    if fixed is not None:
+        cfg, given_vocab = replace(cfg, model=replace(cfg.model, vocab_size=fixed)), True
+    if cfg.data.dataset == "text":
+        from shardwise.data import resolve_text
+        cfg, _ = resolve_text(cfg, given_vocab)
+    if cfg != before:
+        validate(cfg, world)       # the sizes it set (memory bounds) are checked like typed ones
+    if hf.is_hf(cfg.model.name) and cfg.model.hf_weights:
+        hf.check_weights(cfg)
+    return cfg
+
+
+def keep_tokenizer(cfg: Config, folder: str) -> None:
+    """--dataset text with a BPE or a tokenizer file: a copy in the run directory, beside the
+    weights it was trained with."""
+    import shutil
+    from shardwise.data import tokenizer_files
+    for path in tokenizer_files(cfg):
+        shutil.copy(path, folder)
+
+
+def check_extras(cfg: Config) -> None:
+    """Optional packages a setting needs, checked before any process starts."""
+    from shardwise.extras import require
+    if cfg.logging.tensorboard:
+        require("tensorboard", "tensorboard", "logging.tensorboard")
+
+
+def check_data_files(cfg: Config) -> None:
+    """MNIST / Fashion-MNIST: the four IDX files must be there before any process starts."""
+    if cfg.data.dataset not in ("mnist", "fashion-mnist"):
+        return
+    from shardwise.data.images import IDX_FILES, _find
+    for pair in IDX_FILES.values():
+        for stem in pair:
+            try:
+                _find(cfg.data.data_dir, stem)
+            except FileNotFoundError:
+                raise ConfigError("data.data_dir", cfg.data.data_dir, f"{stem}(.gz) is missing",
+                                  "put the four IDX files of the data set in that directory") from None
