@@ -178,3 +178,14 @@ class FlatBroadcast:
 
     def nbytes(self) -> int:
         return sum(f.numel() * f.element_size() for f in self.flats.values())
+
+
+def broadcast_coalesced(comm, tensors: list[torch.Tensor], src: int, group, name: str) -> None:
+    """Every member's ``tensors`` take member ``src``'s values (a model's start from one rank's
+    weights): one broadcast per dtype through a flat temporary, as torch DDP's
+    ``_sync_module_states`` does, instead of one call per tensor. The temporary (the tensors'
+    bytes once more) is freed on return; nothing happens in a group of one."""
+    if group.size == 1 or not tensors:
+        return
+    FlatBroadcast([t.data for t in tensors]).run(comm, src, group, name=name)
+

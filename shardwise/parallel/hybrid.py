@@ -3,7 +3,7 @@ across replicas (pp > 1; without a pipeline shardwise/parallel/compose.py compos
 parallelism with the data-parallel component directly). Presets ``pp`` and ``3d``.
 
 Order of application (compose.py's, steps 2, 3 and 6): every rank takes global rank 0's whole
-model (one broadcast per parameter and buffer over the world, meter ``init_broadcast``, before
+model (one flat broadcast per dtype over the world, meter ``init_broadcast``, before
 any split: tp slices and pipeline stages are cut from the full weights, so ranks that
 initialised differently would otherwise train different models) -> tensor parallel
 (parallel/tensor.py, over ``mesh.tp_group``) -> pipeline split (parallel/pipeline/stage.py;

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from shardwise.comm.autograd import (all_gather_uneven, copy_to_tp, reduce_from_tp, shard_range,
                                      vocab_parallel_embedding)
+from shardwise.comm.buckets import broadcast_coalesced
 from shardwise.comm.collectives import Comm, Group
 from shardwise.memory.lora import LoRALinear
 from shardwise.models.plans import plan_of
@@ -233,8 +234,8 @@ def split_from_rank0(model: nn.Module, mesh, comm: Comm, device, loss_fn):
     full weights, so ranks that initialised differently would otherwise train different
     models), then split it over tp. Returns (model, {name: ShardSpec}, the loss to use)."""
     model = model.to(device)                      # NCCL broadcasts device tensors only
-    for t in [*model.parameters(), *model.buffers()]:
-        comm.broadcast(t.data, 0, mesh.world, name="init_broadcast")
+    broadcast_coalesced(comm, [*model.parameters(), *model.buffers()], 0, mesh.world,
+                        name="init_broadcast")
     specs = apply_tensor_parallel(model, mesh, comm)
     plan = plan_of(model)
     if mesh.tp > 1 and any(s.style == "vocab_head" for s in plan.tp.values()):

@@ -4,8 +4,8 @@ with backward.
 Partition: nothing is partitioned. Every rank of the data-parallel group holds the whole model,
 its gradients and optimizer state, and trains on its own disjoint rows of each global batch.
 
-Collectives: at start, one broadcast per parameter and buffer from dp member 0 (so every replica
-starts identical whatever each process initialised). At every forward, the model's buffers
+Collectives: at start, dp member 0's parameters and buffers broadcast to every member, one flat
+per dtype (so every replica starts identical whatever each process initialised). At every forward, the model's buffers
 (BatchNorm running statistics) are broadcast from dp member 0, one flat per dtype (torch DDP's
 ``broadcast_buffers=True``; meter ``ddp_buffers``): every replica normalises with, and ends with,
 member 0's statistics, which are those of member 0's rows only (plain BatchNorm, not
@@ -47,7 +47,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from shardwise.comm.buckets import Bucket, FlatBroadcast, GradBuckets
+from shardwise.comm.buckets import Bucket, FlatBroadcast, GradBuckets, broadcast_coalesced
 from shardwise.comm.reducer import Reducer
 from shardwise.memory.amp import DTYPES
 from shardwise.parallel.base import OptimizerFactory, Strategy, grad_sq, optimizer_state_bytes, \
@@ -77,9 +77,8 @@ class DDPStrategy(Strategy):
 
     def _broadcast_state(self) -> None:
         """Every replica starts from dp member 0's parameters and buffers."""
-        with torch.no_grad():
-            for t in list(self.model.parameters()) + list(self.model.buffers()):
-                self.comm.broadcast(t.data, 0, self.group, name="ddp_broadcast")
+        broadcast_coalesced(self.comm, [*self.model.parameters(), *self.model.buffers()], 0,
+                            self.group, name="ddp_broadcast")
 
     # -- backward: launch each bucket's reduction as soon as it is ready ------------------------
     def forward(self, *args, **kwargs):

@@ -51,6 +51,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from shardwise.comm.buckets import broadcast_coalesced
 from shardwise.comm.flat import FlatLayout, shard_runs
 from shardwise.comm.reducer import Reducer
 from shardwise.memory.amp import DTYPES
@@ -104,9 +105,8 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         """Take the model, start every rank from dp rank 0's state, learn the user's parameter
         groups; return the trainable parameters (frozen ones stay plain, whole tensors)."""
         self.model = model.to(self.device)
-        with torch.no_grad():
-            for t in [*self.model.parameters(), *self.model.buffers()]:
-                self.comm.broadcast(t.data, 0, self.group, name="zero_broadcast")
+        broadcast_coalesced(self.comm, [*self.model.parameters(), *self.model.buffers()], 0,
+                            self.group, name="zero_broadcast")
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._groups = ParamGroups.probe(optimizer_factory, named)
         self.frozen = [p for p in self.model.parameters() if not p.requires_grad]
