@@ -72,11 +72,30 @@ def predicted(name: str, layout: Layout, cfg, hw) -> tuple[dict, float]:
     mem = {k: e.memory[k] for k in STATES}
     mem["comm_buffers"] = e.memory["buffers"]
     step, mem["role"] = e.step_s, e.memory_role
-    if name == "dp":   # R replicas in one process: R copies of the states, R optimizer steps
-        replicas = cfg.parallel.replicas
+    if name == "dp":
+        step = _dp_step(layout, cfg, hw, e)
+        replicas = cfg.parallel.replicas   # R copies of the states in the one process
         mem = {k: v * (replicas if k in STATES else 1) for k, v in mem.items() if k != "role"}
-        step += (replicas - 1) * e.optimizer_s
     return mem, step
+
+
+def _dp_step(layout: Layout, cfg, hw, whole) -> float:
+    """Seconds per step of R replicas in one process (parallel/dp.py): each replica's rows
+    (batch / R) on its own thread, as many at once as there are cores (torch drops the GIL in
+    its kernels), their optimizer steps likewise, plus the reduction on replica 0: R - 1 adds
+    into its gradients and R - 1 copies back out, each reading and writing the gradient bytes
+    once (``whole``: the planner's estimate of one replica doing everything)."""
+    import dataclasses
+    replicas = cfg.parallel.replicas
+    lanes = max(1, min(replicas, os.cpu_count() or 1))
+    waves = -(-replicas // lanes)                       # rounds of concurrent replicas
+    batch = autoplan.batch_of(cfg)
+    share = dataclasses.replace(batch, global_batch=max(1, batch.global_batch // replicas))
+    one = estimate(replace(layout, micro_batch=share.global_batch), autoplan.model_spec(cfg),
+                   hw, share)
+    grads = whole.memory["gradients"]
+    reduce_s = (replicas - 1) * (3 + 2) * grads / hw.mem_bw   # add: 2 reads 1 write; copy: 1 + 1
+    return waves * one.step_s + reduce_s
 
 
 def _gap(pred: float, meas: float) -> float | None:
@@ -86,15 +105,31 @@ def _gap(pred: float, meas: float) -> float | None:
     return (pred - meas) / meas
 
 
+def _calibrated(cfg, world: int, hardware: dict):
+    """The calibration of ``world`` processes on this machine (measured once, kept)."""
+    if world not in hardware:
+        cal_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc_per_node=world))
+        hardware[world] = autoplan.calibrate(cal_cfg)
+    return hardware[world]
+
+
+def _computing_on(hw, compute_hw):
+    """``hw`` (the whole world's links) with the compute figures of ``compute_hw``: a
+    calibration of n processes measures each rank's kernels while n of them share the cores,
+    and the parameter server's ps task computes no forward or backward, so its workers' share
+    of the cores is that of a world of ``num_workers``."""
+    return replace(hw, peak_flops=compute_hw.peak_flops, efficiency=compute_hw.efficiency,
+                   block_overhead=compute_hw.block_overhead, mem_bw=compute_hw.mem_bw)
+
+
 def validate_one(name: str, steps: int, hardware: dict) -> dict:
     from shardwise.testing import run_world
     world, par, layout = CASES[name]
     cfg = gpt_bench_config(name, parallel=par, train={"steps": steps})
-    if world not in hardware:
-        cal_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc_per_node=world))
-        hardware[world] = autoplan.calibrate(cal_cfg)
-    cal = hardware[world]
-    hw = cal.hardware(world)
+    hw = _calibrated(cfg, world, hardware).hardware(world)
+    computing = par.get("num_workers", world) if name == "ps" else world
+    if computing != world:
+        hw = _computing_on(hw, _calibrated(cfg, computing, hardware).hardware(computing))
     pred_mem, pred_step = predicted(name, layout, cfg, hw)
     role = pred_mem.pop("role", "rank")
     t0 = time.perf_counter()

@@ -135,3 +135,28 @@ def test_deepspeed_convention_from_the_cli(capsys):
     assert main(argv + ["--convention", "megatron"]) == 2
     assert main(argv + ["--tie-band", "2"]) == 2
     assert "--tie-band: " in capsys.readouterr().err
+
+
+def test_validation_models_dp_replicas_at_once_and_ps_workers_on_their_cores(monkeypatch):
+    """benchmarks' planner validation (shardwise/bench/validate_planner.py): one process's R
+    replicas run at once, one per core (not one after the other); the parameter server's
+    workers compute with a calibration of their own count while its links stay the world's."""
+    from dataclasses import replace
+    from shardwise import autoplan
+    from shardwise.bench.harness import gpt_bench_config
+    from shardwise.bench import validate_planner as vp
+    hw = Hardware.custom(nodes=1, devices_per_node=1, memory_bytes=8 * 2**30, peak_flops=1e11,
+                         intra_bw=1e9)
+    cfg = gpt_bench_config("dp", parallel={"replicas": 2})
+    layout = Layout(micro_batch=4)
+    whole = estimate(layout, autoplan.model_spec(cfg), hw, autoplan.batch_of(cfg))
+    half = estimate(layout, autoplan.model_spec(cfg), hw, Batch(4, precision="fp32"))
+    monkeypatch.setattr(vp.os, "cpu_count", lambda: 2)
+    two_cores = vp._dp_step(layout, cfg, hw, whole)
+    assert half.step_s < two_cores < half.step_s * 1.2 < whole.step_s     # at once, + reduce
+    monkeypatch.setattr(vp.os, "cpu_count", lambda: 1)
+    assert vp._dp_step(layout, cfg, hw, whole) == pytest.approx(two_cores + half.step_s)
+    links = replace(hw, intra_bw=5e8, intra_latency=3e-4)
+    mixed = vp._computing_on(links, replace(hw, peak_flops=2e11, mem_bw=7e10))
+    assert (mixed.peak_flops, mixed.mem_bw) == (2e11, 7e10)
+    assert (mixed.intra_bw, mixed.intra_latency) == (5e8, 3e-4)
