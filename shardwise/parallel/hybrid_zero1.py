@@ -3,9 +3,11 @@ HybridStrategy, over this stage's (tensor-parallel) parameters.
 
 Parameters and gradients are views of one flat buffer per optimizer parameter group (padded to a
 multiple of dp). After the step's last micro-batch, each group's gradient is reduce-scattered over
-dp (through the shared reducer, native or ring: meter ``zero1_grad``); each dp rank updates its
-1/dp slice of the flat parameters in place (fp32: the slice is the master, no copy), then the
-slices are all-gathered (``zero1_params``). The user's parameter groups are kept: the factory is
+dp in place (through the shared reducer, native or ring: meter ``zero1_grad``): this rank's 1/dp
+slice of the flat gradient receives the average, so no second gradient buffer exists (the rest
+of the flat holds this rank's own gradients, or the ring's partial sums, until zero_grad); each
+dp rank updates its 1/dp slice of the flat parameters in place (fp32: the slice is the master, no
+copy), then the slices are all-gathered (``zero1_params``). The user's parameter groups are kept: the factory is
 called once on the parameters (a probe) to learn each one's group. Frozen parameters stay out.
 
 Clipping: the squared norm is summed once over the world (meter ``grad_norm``): each rank counts
@@ -63,7 +65,8 @@ class PipelineZero1:
         probe, groups = probe_groups(optimizer_factory, params)
         self.flats = [FlatBuffers(members, mesh.dp) for _, members in groups]
         self.masters = [nn.Parameter(f.shard(f.params, mesh.dp_rank)) for f in self.flats]
-        self.grad_shards = [torch.zeros_like(m) for m in self.masters]
+        # this rank's slice of each flat gradient: where the in-place reduce-scatter lands
+        self.grad_shards = [f.shard(f.grads, mesh.dp_rank) for f in self.flats]
         self.optimizer = optimizer_like(probe, [(options, [m]) for (options, _), m
                                                 in zip(groups, self.masters)])
         name_of = {id(q): n for n, q in named}
@@ -139,7 +142,7 @@ class PipelineZero1:
     def _zero1_ledger(self) -> dict[str, int]:
         return {
             "parameters": tensor_bytes(self.model.parameters()),
-            "gradients": tensor_bytes([f.grads for f in self.flats] + self.grad_shards),
+            "gradients": tensor_bytes([f.grads for f in self.flats]),   # shards: views of these
             "optimizer_states": optimizer_state_bytes(self.optimizer),
             "master_weights": 0,          # ZeRO-1's optimizer works on a view of the parameters
             "comm_buffers": 0,

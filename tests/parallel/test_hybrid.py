@@ -69,8 +69,11 @@ def test_tp2_pp2_both_schedules_and_tp_traffic_per_microbatch():
 
 
 def test_dp2_with_zero1_over_dp_equals_single():
+    """The pipeline's flat ZeRO-1 reduce-scatters in place (its dp shard of the flat gradient
+    receives the average), over the backend and over the ring, whose workspace is that flat."""
     configs = [_cfg(dp=2, pp=2, schedule="1f1b", zero1_over_dp=True),
-               _cfg(dp=2, tp=2, zero1_over_dp=True)]
+               _cfg(dp=2, tp=2, zero1_over_dp=True),
+               _cfg(dp=2, pp=2, schedule="1f1b", zero1_over_dp=True, allreduce="ring")]
     results = run_world(_runs, 4, configs)
     _assert_equal_to_single(results, configs)
     meter = results[0][1]
