@@ -1,8 +1,8 @@
 """Check a Config against itself and the world it will run in, before anything starts.
 
 Here: the cross-cutting checks (choices, finite and positive numbers, model x data, the mesh
-and batch sizes, accumulation, writable paths, devices). Each parallel component checks its
-own settings (parallel/data/checks.py, parallel/pipeline/checks.py, parallel/ps_checks.py,
+and batch sizes, accumulation, devices); where the run writes: shardwise/writable.py; the data
+settings: shardwise/data/checks.py. Each parallel component checks its own settings (parallel/data/checks.py, parallel/pipeline/checks.py, parallel/ps_checks.py,
 parallel/dp_checks.py, parallel/tensor_checks.py), collected by shardwise/layout.py, which also
 says which settings each layout reads (check_ignored below).
 
@@ -24,6 +24,8 @@ from shardwise.presets import SINGLE_PROCESS, resolve_dp  # noqa: F401 (re-expor
 from shardwise.parallel.pipeline import checks as pipeline_checks
 from shardwise.models import hf as hf_model
 from shardwise.models import user as user_model
+from shardwise.writable import check_picture, check_writable
+from shardwise.data import checks as data_checks
 
 
 def _choices(cfg: Config) -> None:
@@ -248,61 +250,6 @@ def _on_cpu(cfg: Config) -> bool:
     return not torch.cuda.is_available()
 
 
-def _data(cfg: Config) -> None:
-    d = cfg.data
-    if d.dataset in ("mnist", "fashion-mnist"):
-        if not d.data_dir:
-            raise ConfigError("data.data_dir", d.data_dir, f"{d.dataset} needs its IDX files",
-                              "pass --data-dir DIR holding train-images-idx3-ubyte(.gz) etc.")
-        if not os.path.isdir(d.data_dir):
-            raise ConfigError("data.data_dir", d.data_dir, "no such directory",
-                              "give an existing directory holding the IDX files")
-    elif d.data_dir and not os.path.isdir(d.data_dir):
-        raise ConfigError("data.data_dir", d.data_dir, "no such directory",
-                          "give an existing directory, or leave it empty")
-    _text_data(cfg)
-
-
-def _text_data(cfg: Config) -> None:
-    """--dataset text: a path that matches files with text in them, a tokenizer that exists.
-    (Whether the files are UTF-8 and long enough is known once they are read: the token cache,
-    before launch, shardwise/data/token_cache.py.) Its settings are refused for other data."""
-    from shardwise.config import DataConfig
-    from shardwise.data import files, tokenize
-    d, default = cfg.data, DataConfig()
-    if d.dataset != "text":
-        for name in ("data_path", "tokenizer", "token_cache", "text_column"):
-            if getattr(d, name) != getattr(default, name):
-                raise ConfigError(f"data.{name}", getattr(d, name), f"only --dataset text reads "
-                                  f"it (the data set is {d.dataset})", f"drop --"
-                                  f"{name.replace('_', '-')}, or use --dataset text")
-        return
-    if not d.data_path:
-        raise ConfigError("data.data_path", d.data_path, "--dataset text needs your files",
-                          "pass --data-path FILE, DIR or a quoted glob such as 'docs/*.md'")
-    found = files.find_files(d.data_path)
-    if not found:
-        raise ConfigError("data.data_path", d.data_path, "matches no file", "give a text file, "
-                          "a directory of them, or a glob such as 'corpus/*.txt' (quoted)")
-    if sum(os.path.getsize(f) for f in found) == 0:
-        raise ConfigError("data.data_path", d.data_path, f"the corpus is empty ({len(found)} "
-                          "file(s), 0 bytes)", "give files that hold text")
-    try:
-        kind, arg = tokenize.parse_spec(d.tokenizer)
-        if kind == "path":
-            tokenize.tokenizer_file(arg)
-    except (ValueError, OSError) as exc:
-        raise ConfigError("data.tokenizer", d.tokenizer, str(exc), "use bytes, bpe:N (e.g. "
-                          "bpe:8192) or a local tokenizer.json (or a folder holding one)") from None
-    if kind != "bytes":
-        from shardwise.extras import available
-        if not available("tokenizers"):
-            raise ConfigError("data.tokenizer", d.tokenizer, "needs the 'tokenizers' package, "
-                              "which is not installed", "pip install 'shardwise[hf]'")
-    if d.token_cache:
-        _check_writable(d.token_cache, "data.token_cache")
-
-
 def _runtime_checks(cfg: Config, world_size: int) -> None:
     """What the run would only discover after its processes started."""
     p, m = cfg.parallel, cfg.model
@@ -322,76 +269,9 @@ def _runtime_checks(cfg: Config, world_size: int) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "cuda", "no CUDA device is visible",
                               "use --device cpu (or auto)")
-    _check_writable(cfg.logging.out_dir)
+    check_writable(cfg.logging.out_dir)
     rundir.check_name(cfg.logging.run_name)     # a plain folder name: no '/', '..', 300 bytes
-    _check_picture(cfg.logging.schedule_png)
-
-
-# what matplotlib's savefig writes, by the picture's file suffix (none: PNG)
-PICTURE_SUFFIXES = ("", ".png", ".svg", ".svgz", ".pdf", ".jpg", ".jpeg", ".tif", ".tiff",
-                    ".webp", ".eps", ".ps", ".pgf", ".raw", ".rgba")
-
-
-def _check_picture(png: str) -> None:
-    """logging.schedule_png: a file name savefig can write, in a folder that can be written."""
-    if not png or png == "off":
-        return
-    field = "logging.schedule_png"
-    suffix = os.path.splitext(png)[1].lower()
-    if os.path.isdir(png) or png.endswith(os.sep):
-        raise ConfigError(field, png, "is a directory, not a file name",
-                          "give a file name such as runs/schedule.png")
-    if suffix not in PICTURE_SUFFIXES:
-        raise ConfigError(field, png, f"{suffix} is not a picture format",
-                          "end the name with .png (or .svg, .pdf)")
-    _check_writable(os.path.dirname(os.path.abspath(png)), field, png)
-    _check_name_lengths(os.path.abspath(png), field, png)
-
-
-def _check_name_lengths(path: str, field: str, shown: str) -> None:
-    """Every part of a path within the file system's limits (255 bytes a name on Linux)."""
-    for part in path.split(os.sep):
-        if len(os.fsencode(part)) > NAME_MAX:
-            raise ConfigError(field, shown if len(shown) <= 60 else shown[:57] + "...",
-                              f"a name in it is {len(os.fsencode(part))} bytes long, more than the "
-                              f"{NAME_MAX} a file name may have", "use shorter names")
-    if len(os.fsencode(path)) > PATH_MAX:
-        raise ConfigError(field, shown[:57] + "...", f"longer than {PATH_MAX} bytes",
-                          "use a shorter path")
-
-
-NAME_MAX = 255
-PATH_MAX = 3900           # 4096, less room for the run's own name and files
-
-
-def _check_writable(path: str, field: str = "logging.out_dir", shown: str | None = None) -> None:
-    """out_dir, or the nearest folder above it that exists, must be a folder this process can
-    create files in: tried with a temporary file (removed at once), so that root in a
-    read-only folder (os.access says yes), /proc or a read-only mount are caught here too."""
-    import tempfile
-    shown = shown or path
-    probe = os.path.abspath(path)
-    if field == "logging.out_dir":
-        _check_name_lengths(probe, field, shown)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise ConfigError(field, shown, f"cannot be written here ({probe} is a file)",
-                          "give a directory you can write to")
-    try:
-        with tempfile.TemporaryFile(dir=probe, prefix=".shardwise-probe-"):
-            pass
-        disk = os.statvfs(probe)
-    except OSError as exc:
-        raise ConfigError(field, shown, f"cannot be written here (no file can be made in {probe}:"
-                          f" {exc.strerror or exc})", "give a directory you can write to") from None
-    free = disk.f_bavail * disk.f_frsize
-    if free < MIN_FREE_BYTES:
-        raise ConfigError(field, shown, f"the disk holding {probe} is full ({free // 1024} KiB "
-                          "free)", "free some space, or give a directory on another disk")
-
-
-MIN_FREE_BYTES = 1 << 20   # a run's config, metrics and summary need some room: 1 MiB at least
+    check_picture(cfg.logging.schedule_png)
 
 
 def _layout(cfg: Config, world_size: int) -> None:
@@ -420,7 +300,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     _positive(cfg)
     _model(cfg)
     _fits_in_memory(cfg, world_size)
-    _data(cfg)
+    data_checks.check(cfg)
     _layout(cfg, world_size)
     _accumulation(cfg, world_size)
     _runtime_checks(cfg, world_size)

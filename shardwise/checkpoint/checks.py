@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shardwise.checkpoint import store
 from shardwise.config import Config, ConfigError, to_dict
-from shardwise.validate import _check_writable
+from shardwise.writable import check_writable
 
 
 def check(cfg: Config, world_size: int) -> None:
@@ -22,7 +22,7 @@ def check(cfg: Config, world_size: int) -> None:
                 raise ConfigError(f"train.{name}", value, "needs a folder to save into or "
                                   "resume from", "add --checkpoint-dir DIR")
         return
-    _check_writable(t.checkpoint_dir, "train.checkpoint_dir")
+    check_writable(t.checkpoint_dir, "train.checkpoint_dir")
     folder = store.latest(t.checkpoint_dir)
     if not t.resume:
         if folder is not None:

@@ -308,8 +308,8 @@ def test_8_out_dir_that_cannot_be_written_is_refused_before_launch(tmp_path, cap
 
 
 def test_8_a_full_disk_is_refused_before_launch(tmp_path, capsys, monkeypatch):
-    from shardwise import validate
-    monkeypatch.setattr(validate, "MIN_FREE_BYTES", 1 << 62)    # this disk, seen as full
+    from shardwise import writable
+    monkeypatch.setattr(writable, "MIN_FREE_BYTES", 1 << 62)    # this disk, seen as full
     refused([*TINY, "--out-dir", str(tmp_path)], capsys, f"logging.out_dir = '{tmp_path}'",
             "is full", "free some space")
 
