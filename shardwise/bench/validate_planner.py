@@ -85,12 +85,11 @@ def _dp_step(layout: Layout, cfg, hw, whole) -> float:
     its kernels), their optimizer steps likewise, plus the reduction on replica 0: R - 1 adds
     into its gradients and R - 1 copies back out, each reading and writing the gradient bytes
     once (``whole``: the planner's estimate of one replica doing everything)."""
-    import dataclasses
     replicas = cfg.parallel.replicas
     lanes = max(1, min(replicas, os.cpu_count() or 1))
     waves = -(-replicas // lanes)                       # rounds of concurrent replicas
     batch = autoplan.batch_of(cfg)
-    share = dataclasses.replace(batch, global_batch=max(1, batch.global_batch // replicas))
+    share = replace(batch, global_batch=max(1, batch.global_batch // replicas))
     one = estimate(replace(layout, micro_batch=share.global_batch), autoplan.model_spec(cfg),
                    hw, share)
     grads = whole.memory["gradients"]

@@ -40,6 +40,7 @@ This module is data: the parallel code (shardwise/parallel/) reads it; nothing h
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -168,6 +169,19 @@ def _positions(inputs, h):
     return torch.arange(h.shape[1], device=h.device).unsqueeze(0) if pos is None else pos
 
 
+@functools.lru_cache(maxsize=1)
+def _mask_function():
+    """transformers' ``create_causal_mask`` and its parameter names (read once)."""
+    import inspect
+    try:
+        from transformers.masking_utils import create_causal_mask
+    except ImportError:          # transformers older than 4.53
+        raise RuntimeError("an attention_mask under pipeline parallelism is built with "
+                           "transformers' masking_utils (4.53 or newer); fix: pip install -U "
+                           "transformers, or leave attention_mask out of the batch") from None
+    return create_causal_mask, set(inspect.signature(create_causal_mask).parameters)
+
+
 def _hf_mask(stage, h, inputs, pos):
     """The attention mask the model's forward would build from a 2-D attention_mask (padding)
     and causality: transformers' own ``create_causal_mask`` (None for plain causal attention,
@@ -176,14 +190,7 @@ def _hf_mask(stage, h, inputs, pos):
     mask = inputs.get("attention_mask")
     if mask is None:
         return None
-    import inspect
-    try:
-        from transformers.masking_utils import create_causal_mask
-    except ImportError:          # transformers older than 4.53
-        raise RuntimeError("an attention_mask under pipeline parallelism is built with "
-                           "transformers' masking_utils (4.53 or newer); fix: pip install -U "
-                           "transformers, or leave attention_mask out of the batch") from None
-    names = inspect.signature(create_causal_mask).parameters
+    create_causal_mask, names = _mask_function()
     kw = dict(config=stage.config, attention_mask=mask.view(h.shape[0], -1),
               position_ids=pos)
     kw["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = h

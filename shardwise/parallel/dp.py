@@ -167,9 +167,7 @@ class DataParallelStrategy(Strategy):
     # it (every replica's is the same); loading gives each replica's optimizer its own copy
     def load_canonical_optimizer_state(self, state: dict) -> None:
         for model, opt in zip(self.replicas, self.optimizers):
-            self.model, self.optimizer = model, opt
-            super().load_canonical_optimizer_state(state)
-        self.model, self.optimizer = self.replicas[0], self.optimizers[0]
+            self._load_canonical_into(model, opt, state)
 
     def memory_ledger(self) -> dict[str, int]:
         params = [p for r in self.replicas for p in r.parameters()]

@@ -185,13 +185,11 @@ class HybridStrategy(PipelineState, PipelineZero1, Strategy):
         total = torch.zeros((), device=self.device)
         for k, (xa, ya) in enumerate(zip(batches.chunk(x, chunks), batches.chunk(y, chunks))):
             xs, ys = batches.chunk(xa, m), batches.chunk(ya, m)
-            b, t = self.executor.split(xs[0])[0].shape
-            shape = (b, t, self.n_embd)                                    # (b/m, T, C)
             hook = None
             if self.dp is not None:
                 self.dp.begin_pass()
                 hook = functools.partial(self._on_backward, k == chunks - 1)
-            loss, self.last_records = self.executor.run(self.actions, xs, ys, shape,
+            loss, self.last_records = self.executor.run(self.actions, xs, ys, self.n_embd,
                                                         self.scaler.scale / (m * chunks),
                                                         on_backward=hook)
             loss = loss / self.scaler.scale

@@ -54,11 +54,15 @@ class StrategyState:
                 out[name] = entry
         return out
 
-    @torch.no_grad()
     def load_canonical_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Set the optimizer's per-parameter state from :meth:`canonical_optimizer_state`'s
         form (whole tensors by original name; this rank keeps its tensor-parallel piece)."""
-        for name, p in self.model.named_parameters():
+        self._load_canonical_into(self.model, self.optimizer, state)
+
+    @torch.no_grad()
+    def _load_canonical_into(self, model, optimizer, state: dict) -> None:
+        """:meth:`load_canonical_optimizer_state` for one (model, optimizer) pair."""
+        for name, p in model.named_parameters():
             if name not in state:
                 continue
             entry = {}
@@ -67,7 +71,7 @@ class StrategyState:
                 if v.dim() > 0:
                     v = v.to(p.device, p.dtype if v.is_floating_point() else v.dtype)
                 entry[key] = v.clone()
-            self.optimizer.state[p] = entry
+            optimizer.state[p] = entry
 
     def _tp_piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's tensor-parallel piece of a whole per-parameter tensor (itself when the

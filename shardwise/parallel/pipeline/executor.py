@@ -87,8 +87,8 @@ class _Clock:
 
 
 class PipelineExecutor:
-    """Runs schedules for one stage module (or the v chunks of a stage.VirtualStages);
-    ``act_shape`` is a micro-batch's (b, T, C)."""
+    """Runs schedules for one stage module (or the v chunks of a stage.VirtualStages); ``run``'s
+    ``width`` is the residual stream's C, so a micro-batch's activation is (b, T, C)."""
 
     def __init__(self, stage: nn.Module, comm: Comm, pp_group: Group, loss_fn, device,
                  autocast=contextlib.nullcontext):
@@ -110,7 +110,7 @@ class PipelineExecutor:
         ids, inputs = self.chunks[0].split_batch(batch)
         return ids.to(self.device), batches.to(inputs, self.device)
 
-    def run(self, actions: list[Action], xs: list, ys: list, act_shape: tuple,
+    def run(self, actions: list[Action], xs: list, ys: list, width: int,
             loss_scale: float, on_backward=None) -> tuple[torch.Tensor, StepRecord]:
         """One step of the schedule over micro-batches ``xs`` (tensors of token ids, or tuples /
         dicts of inputs) and targets ``ys`` (None with the model's own loss); returns (sum of scaled micro-batch losses, the record).
@@ -121,7 +121,8 @@ class PipelineExecutor:
         no single backward completes every gradient: ``last`` is then never true."""
         self._xs = [self.split(x) for x in xs]
         self._ys = [batches.to(y, self.device) for y in ys]
-        self._shape, self._scale = act_shape, loss_scale
+        self._shape = (*self._xs[0][0].shape, width)          # (b, T, C) of every micro-batch
+        self._scale = loss_scale
         self._split = split_chunks(actions)
         weights = [a for a in actions if a.op == ("W" if a.chunk in self._split else "B")]
         self._last_w = weights[-1] if weights and len(self.chunks) == 1 else None
