@@ -12,7 +12,11 @@
 - allreduce: a forked gloo world of the local process count (``shardwise.testing.run_world``),
   ``Comm.all_reduce`` of 1 KiB and 4 MiB, fitted to the ring's alpha-beta model
   ``2 (N-1) alpha + 2 (N-1)/N K / bw``: ``bw`` is the bus bandwidth (``intra_bw``), ``alpha``
-  the latency per ring step.
+  the latency per ring step; then each rank computes for a few milliseconds and allreduces
+  1 KiB, twelve times: what that costs beyond the compute alone and the idle 1 KiB allreduce
+  is ``collective_overhead`` (the ranks' arrival skew and waking gloo's threads, which every
+  collective in training pays after the compute before it: about 3 ms here, 15x the idle
+  figure).
 """
 from __future__ import annotations
 
@@ -65,6 +69,8 @@ class Calibration:
     """RAM (CPU) or device memory (GPU), all of it."""
     seconds: float
     """How long the calibration took."""
+    collective_overhead: float = 0.0
+    """Seconds a collective costs beyond the alpha-beta model when it follows compute."""
 
     def hardware(self, processes: int) -> Hardware:
         """``Hardware.custom`` for ``processes`` ranks on this machine (1: the whole process)."""
@@ -79,6 +85,8 @@ class Calibration:
             host_bw=c.mem_bw / 2, host_mem_bw=c.mem_bw, host_memory_bytes=_ram_bytes(),
             reserved_bytes=0 if cpu else 2**30, name=f"{self.device} (calibrated)",
             comm_overlap=0.0 if cpu else 1.0,   # CPU ranks reduce on the cores they compute on
+            collective_overhead=self.collective_overhead,
+            compute_lanes=max(1, (os.cpu_count() or 1) // max(1, c.threads)) if cpu else 0,
             interconnect="shm" if cpu else "gloo")
 
     def describe(self) -> str:
@@ -95,7 +103,8 @@ class Calibration:
         if self.processes > 1:
             lines.append(f"allreduce over {self.processes} processes (gloo): bus bandwidth "
                          f"{self.allreduce_bw / 1e9:.2f} GB/s, latency "
-                         f"{self.allreduce_latency * 1e6:.0f} us per ring step; memory per "
+                         f"{self.allreduce_latency * 1e6:.0f} us per ring step, "
+                         f"{self.collective_overhead * 1e3:.2f} ms per call after compute; memory per "
                          f"process {fmt_bytes(self.hardware(self.processes).memory_bytes)}")
         return "\n".join(lines)
 
@@ -178,19 +187,46 @@ def _allreduce_probe(rank: int, world: int, reps: tuple[int, int], cfg: Config |
             comm.all_reduce(t, group)
             times.append(time.perf_counter() - t0)
         out[numel] = statistics.median(times)
+    out["overhead"] = _overhead_after_compute(comm, group, out[SMALL])
     if cfg is not None:
         comm.barrier(group)
         out["compute"] = measure_compute(cfg, torch.device("cpu"), threads)
     return out
 
 
+def _overhead_after_compute(comm, group, idle: float, reps: int = 12) -> float:
+    """Seconds a 1 KiB allreduce costs right after a few milliseconds of compute, beyond the
+    compute itself and the same allreduce between idle ranks (module docstring)."""
+    a = torch.randn(384, 384)
+
+    def work():
+        for _ in range(3):
+            a @ a
+    work()
+    comm.barrier(group)
+    alone = []
+    for _ in range(reps // 2):
+        t0 = time.perf_counter()
+        work()
+        alone.append(time.perf_counter() - t0)
+    t = torch.ones(SMALL)
+    comm.barrier(group)
+    both = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        work()
+        comm.all_reduce(t, group)
+        both.append(time.perf_counter() - t0)
+    return max(0.0, statistics.median(both) - statistics.median(alone) - idle)
+
+
 def measure_allreduce(world: int, cfg: Config | None = None, threads: int = 1):
-    """(bus bandwidth bytes/s, seconds per ring step, slowest rank's Compute or None) of
-    ``Comm.all_reduce`` over ``world`` forked CPU ranks (with ``cfg``: compute measured in all
-    ranks at once)."""
+    """(bus bandwidth bytes/s, seconds per ring step, slowest rank's Compute or None, seconds a
+    collective costs after compute) of ``Comm.all_reduce`` over ``world`` forked CPU ranks
+    (with ``cfg``: compute measured in all ranks at once)."""
     from shardwise.testing import run_world
     if world < 2:
-        return 0.0, 0.0, None
+        return 0.0, 0.0, None, 0.0
     per_rank = run_world(_allreduce_probe, world, (30, 6), cfg, threads, timeout=120)
     small = max(r[SMALL] for r in per_rank)
     large = max(r[LARGE] for r in per_rank)
@@ -198,7 +234,7 @@ def measure_allreduce(world: int, cfg: Config | None = None, threads: int = 1):
     bw = steps / world * (LARGE - SMALL) * 4 / max(large - small, 1e-9)
     computes = [r["compute"] for r in per_rank if "compute" in r]
     slowest = min(computes, key=lambda c: c.model_flops) if computes else None
-    return bw, small / steps, slowest
+    return bw, small / steps, slowest, max(r["overhead"] for r in per_rank)
 
 
 def processes(cfg: Config) -> int:
@@ -216,19 +252,20 @@ def calibrate(cfg: Config) -> Calibration:
     n = processes(cfg)
     device = pick_device(cfg.train.device, 0)
     if device.type == "cuda":
-        bw, latency, _ = measure_allreduce(n)
+        bw, latency, _, overhead = measure_allreduce(n)
+        overhead = 0.0      # NCCL on GPUs: launches are microseconds, inside the latency
         whole = measure_compute(cfg, device, torch.get_num_threads())
         per_rank, memory = whole, torch.cuda.get_device_properties(device).total_memory
     else:
         threads = int(os.environ.get("OMP_NUM_THREADS", "1")) if n > 1 else torch.get_num_threads()
         # on CPU the ranks share the cores and the memory bus: time each rank's compute while
         # all ranks run at once, in the same forked world that measures the allreduce
-        bw, latency, per_rank = measure_allreduce(n, cfg, threads)
+        bw, latency, per_rank, overhead = measure_allreduce(n, cfg, threads)
         whole = measure_compute(cfg, device, torch.get_num_threads())
         per_rank = per_rank or whole
         memory = _ram_bytes()
     return Calibration(device.type, n, per_rank, whole, bw, latency, memory,
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, overhead)
 
 
 

@@ -116,9 +116,11 @@ def _computing_on(hw, compute_hw):
     """``hw`` (the whole world's links) with the compute figures of ``compute_hw``: a
     calibration of n processes measures each rank's kernels while n of them share the cores,
     and the parameter server's ps task computes no forward or backward, so its workers' share
-    of the cores is that of a world of ``num_workers``."""
+    of the cores is that of a world of ``num_workers``; so is the delay a transfer pays after
+    compute (``collective_overhead``: the workers' arrival skew; the ps task waits idle)."""
     return replace(hw, peak_flops=compute_hw.peak_flops, efficiency=compute_hw.efficiency,
-                   block_overhead=compute_hw.block_overhead, mem_bw=compute_hw.mem_bw)
+                   block_overhead=compute_hw.block_overhead, mem_bw=compute_hw.mem_bw,
+                   collective_overhead=compute_hw.collective_overhead)
 
 
 def validate_one(name: str, steps: int, hardware: dict) -> dict:

@@ -6,7 +6,10 @@ For ``K`` bytes (the full tensor) over ``N`` ranks with bandwidth ``bw`` and per
 - ring allreduce: each rank sends ``2 (N-1)/N K`` bytes in ``2 (N-1)`` steps:
   ``t = 2 (N-1)/N K / bw + 2 (N-1) alpha``;
 - reduce-scatter and all-gather: half of that, ``(N-1)/N K / bw + (N-1) alpha``;
-- point-to-point: ``K / bw + alpha``.
+- point-to-point: ``K / bw + alpha``;
+- every call (each bucket, unit, tp allreduce or stage transfer) adds
+  ``Hardware.collective_overhead``: what a collective costs beyond that model when it follows
+  compute (arrival skew, waking the backend's threads), measured by the CPU calibration.
 
 Per layout and step (``P_dev`` parameters per device, g / w bytes per gradient / weight,
 m micro-batches, b micro-batch size):
@@ -20,7 +23,10 @@ m micro-batches, b micro-batch size):
   reduce-scatter: 1.5x DDP's volume (ZeRO paper, section 7), one message per unit (block);
 - TP (Megatron, Shoeybi et al. 2019): per block and micro-batch 2 allreduces of ``b s h``
   activations in forward and 2 in backward, 2 more in the recomputed forward (the same volume
-  as all-gather + reduce-scatter with sequence parallelism);
+  as all-gather + reduce-scatter with sequence parallelism); the vocabulary-parallel embedding
+  and head add one ``b s h`` allreduce each (embedding forward, head input's backward) and the
+  vocabulary-parallel cross-entropy two of ``b s`` values (row max; sum of exponentials with
+  the target logit);
 - PP: per micro-batch one activation send forward and one gradient send backward of
   ``b s h / tp`` values (Megatron's scatter-gather across the tp ranks);
 - parameter server: each worker pushes ``g P`` and pulls ``w P``; the busiest server (1/num_ps
@@ -42,27 +48,30 @@ def ring_allreduce_bytes(k: float, n: int) -> float:
     return 2 * (n - 1) / n * k
 
 
-def allreduce_time(k: float, n: int, bw: float, alpha: float, messages: int = 1) -> float:
-    """Ring allreduce of ``k`` bytes over ``n`` ranks, sent as ``messages`` separate buckets."""
+def allreduce_time(k: float, n: int, bw: float, alpha: float, messages: int = 1,
+                   overhead: float = 0.0) -> float:
+    """Ring allreduce of ``k`` bytes over ``n`` ranks, sent as ``messages`` separate buckets,
+    each paying ``overhead`` (``Hardware.collective_overhead``) besides its ring steps."""
     if n <= 1:
         return 0.0
-    return ring_allreduce_bytes(k, n) / bw + messages * 2 * (n - 1) * alpha
+    return ring_allreduce_bytes(k, n) / bw + messages * (2 * (n - 1) * alpha + overhead)
 
 
-def reduce_scatter_time(k: float, n: int, bw: float, alpha: float, messages: int = 1) -> float:
+def reduce_scatter_time(k: float, n: int, bw: float, alpha: float, messages: int = 1,
+                        overhead: float = 0.0) -> float:
     """Ring reduce-scatter (or all-gather) of a ``k``-byte tensor over ``n`` ranks."""
     if n <= 1:
         return 0.0
-    return (n - 1) / n * k / bw + messages * (n - 1) * alpha
+    return (n - 1) / n * k / bw + messages * ((n - 1) * alpha + overhead)
 
 
 all_gather_time = reduce_scatter_time
 """An all-gather moves the same bytes in the same steps as a reduce-scatter."""
 
 
-def p2p_time(k: float, bw: float, alpha: float) -> float:
+def p2p_time(k: float, bw: float, alpha: float, overhead: float = 0.0) -> float:
     """One point-to-point send of ``k`` bytes."""
-    return k / bw + alpha
+    return k / bw + alpha + overhead
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,8 @@ def dp_collective(kind: str, k: float, layout: Layout, hw: Hardware, messages: i
     n, stride, g = layout.dp, layout.tp, hw.devices_per_node
     bw, alpha = hw.link(n, stride)
     ring = allreduce_time if kind == "ar" else reduce_scatter_time
-    flat = ring(k, n, bw, alpha, messages)
+    calls = messages * hw.collective_overhead if n > 1 else 0.0
+    flat = ring(k, n, bw, alpha, messages) + calls
     local = g // stride if stride < g else 1
     if n <= 1 or stride * n <= g or local <= 1:
         return flat
@@ -98,7 +108,7 @@ def dp_collective(kind: str, k: float, layout: Layout, hw: Hardware, messages: i
     intra = reduce_scatter_time(k, local, hw.intra_bw, hw.intra_latency, messages)
     inter_bw = min(hw.intra_bw, hw.inter_bw / g)
     across = ring(k / local, nodes, inter_bw, hw.inter_latency, messages)
-    return min(flat, (2 if kind == "ar" else 1) * intra + across)
+    return min(flat, (2 if kind == "ar" else 1) * intra + across + calls)
 
 
 def dp_traffic(layout: Layout, p_dev: float, hw: Hardware, batch: Batch,
@@ -130,9 +140,15 @@ def tp_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch, layers
         return 0.0
     bw, alpha = hw.link(layout.tp, 1)
     act = 2 if batch.mixed else 4
-    k = layout.micro_batch * model.seq_len * model.hidden * act
+    rows = layout.micro_batch * model.seq_len
+    k = rows * model.hidden * act
     count = (6 if layout.act_ckpt else 4) * layers   # selective recompute stays inside a region
-    return count * allreduce_time(k, layout.tp, bw, alpha)
+    # the vocabulary pieces: embedding (first stage) and head (last); a pipeline's busiest
+    # stage holds one of them, its head with the loss's two small allreduces
+    count += 1 if layout.pp > 1 else 2
+    small = allreduce_time(rows * 4, layout.tp, bw, alpha, 1, hw.collective_overhead) \
+        + allreduce_time(2 * rows * 4, layout.tp, bw, alpha, 1, hw.collective_overhead)
+    return count * allreduce_time(k, layout.tp, bw, alpha, 1, hw.collective_overhead) + small
 
 
 def p2p_stage_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> float:
@@ -147,7 +163,7 @@ def p2p_stage_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch)
         bw, alpha = min(hw.intra_bw, hw.inter_bw / senders), hw.inter_latency
     act = 2 if batch.mixed else 4
     k = layout.micro_batch * model.seq_len * model.hidden * act / layout.tp
-    return 2 * p2p_time(k, bw, alpha)
+    return 2 * p2p_time(k, bw, alpha, hw.collective_overhead)
 
 
 def ps_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> float:
@@ -162,7 +178,7 @@ def ps_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> flo
         bw, alpha = min(hw.intra_bw, hw.inter_bw / hw.devices_per_node), hw.inter_latency
     worker = volume / bw
     server = layout.dp * volume / layout.num_ps / bw
-    return max(worker, server) + 2 * alpha * layout.dp
+    return max(worker, server) + 2 * (alpha + hw.collective_overhead) * layout.dp
 
 
 def stage_layers(model: ModelSpec, layout: Layout) -> int:

@@ -11,6 +11,8 @@ x 4/3 with full recomputation, + 4 s h with selective; ``ModelSpec.block_flops``
 gemm_latency`` per GEMM), plus a fixed ``block_overhead`` per block and micro-batch. The
 pipeline bubble is ``(pp - 1) / (m + pp - 1)`` of the pipeline time (GPipe and 1F1B alike;
 interleaved 1F1B and ZB-H1 idle (pp-1)/v and (pp-1)/3 slots instead: ``layout.bubble_slots``).
+Where ranks share cores (``Hardware.compute_lanes``, CPU) the bubble's idle slots are partly
+absorbed: ``_pipeline_seconds``.
 
 What overlaps with what (the only judgement calls): DDP's allreduce and ZeRO-1's
 reduce-scatter run during the last micro-batch's backward; ZeRO-2's reduce-scatter during each
@@ -193,8 +195,9 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
     optimizer_s, offload_s = _optimizer_and_offload(layout, model, hw, batch, p_dev, m)
     ps = comm.ps_time(layout, model, hw, batch)
     idle = bubble_slots(layout.schedule, layout.pp, layout.virtual_stages)
-    bubble_s = idle * slot
-    step = (m + idle) * slot + once + optimizer_s + offload_s + ps
+    pipe = _pipeline_seconds(layout, hw, m, idle, slot, t_mb)
+    bubble_s = pipe - m * slot
+    step = pipe + once + optimizer_s + offload_s + ps
     traffic = {"tp": m * tp, "p2p": m * p2p, "ps": ps,
                "dp": m * (dp.per_microbatch_rs + dp.per_microbatch_ag) + dp.last_backward
                + dp.after_step}
@@ -208,6 +211,24 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
         bubble=idle / (m + idle), bubble_s=bubble_s,
         optimizer_s=optimizer_s, offload_s=offload_s, step_s=step, tokens_per_step=tokens,
         mfu=model.flops_per_token() * tokens / (step * layout.world * hw.peak(batch.precision)))
+
+
+def _pipeline_seconds(layout: Layout, hw: Hardware, m: int, idle: float, slot: float,
+                      t_mb: float) -> float:
+    """Seconds of the ``m + idle`` slots of a step on the busiest stage.
+
+    When a node runs more ranks than can compute at once (``Hardware.compute_lanes``: CPU
+    processes sharing cores), ``t_mb`` is the rate with every rank computing; while some idle
+    in the bubble the others run up to ``ranks / lanes`` faster. The step is then the longer
+    of the pipeline's critical path at that faster rate and this rank's own work at the
+    contended rate (the cores cannot do more in total): ``max((m + idle) * slot_free,
+    m * slot)``. With a device per rank, ``(m + idle) * slot``."""
+    ranks = min(hw.devices_per_node, layout.world)
+    lanes = hw.compute_lanes
+    if not idle or not lanes or ranks <= lanes:
+        return (m + idle) * slot
+    free = slot - t_mb + t_mb * lanes / ranks
+    return max((m + idle) * free, m * slot)
 
 
 def _exposed_per_microbatch(dp: comm.DataParallelTraffic, fwd: float, bwd: float,

@@ -50,6 +50,17 @@ class Hardware:
     """Fraction of compute time that data-parallel traffic can hide behind: 1 where NICs and
     copy engines move the bytes (GPUs), 0 where collectives and compute share the same cores
     (CPU training: the reduction needs the cores that backward is using)."""
+    collective_overhead: float = 0.0
+    """Seconds each collective or point-to-point transfer costs beyond its alpha-beta time when
+    it follows compute, as in training (the ranks' arrival skew, waking the backend's threads
+    and the peer's receive). A CPU calibration measures it (about 3 ms per call with gloo on a
+    loaded 2-core machine, against 0.2 ms per ring step idle); 0 for the catalogue's GPUs, where
+    NCCL's few microseconds per launch are inside ``intra_latency``."""
+    compute_lanes: int = 0
+    """Ranks of a node that compute at full speed at once: 0 when every rank has a device of
+    its own; a CPU calibration sets cores / threads per rank. When a node runs more ranks than
+    lanes, ``efficiency`` (calibrated with all of them computing) is the contended rate, and
+    ranks computing while others idle in a pipeline bubble run up to ranks / lanes faster."""
     host_bw: float = 20e9
     """Device <-> host copy bandwidth per device, bytes/s (offload)."""
     host_memory_bytes: int = catalogue.HOST_DEFAULTS["host_memory_bytes"]

@@ -1,0 +1,83 @@
+"""What the planner charges for sharing a CPU (issue 17): a collective that follows compute
+pays ``collective_overhead`` per call; ranks that outnumber the cores absorb part of a
+pipeline's bubble (``compute_lanes``); a calibration carries both to the Hardware."""
+from dataclasses import replace
+
+import pytest
+
+from shardwise.planner import Batch, Hardware, Layout, estimate
+from shardwise.planner import comm
+from shardwise.planner.model import ModelSpec
+
+SPEC = ModelSpec(4, 256, 4, 128, 256, tied_embeddings=False)
+BATCH = Batch(8, precision="fp32")
+
+
+def _cpu(world: int, **more) -> Hardware:
+    return Hardware.custom(nodes=1, devices_per_node=world, memory_bytes=8 * 2**30,
+                           peak_flops=8e10, intra_bw=1e9, intra_latency=2e-4, efficiency=0.9,
+                           mem_bw=2e10, comm_overlap=0.0, **more)
+
+
+def test_every_call_pays_the_overhead_once():
+    hw, slow = _cpu(2), _cpu(2, collective_overhead=3e-3)
+    # DDP: one allreduce per bucket
+    lay = Layout(dp=2, micro_batch=4)
+    buckets = 7
+    assert comm.dp_collective("ar", 7 * 2**20, lay, slow, buckets) == pytest.approx(
+        comm.dp_collective("ar", 7 * 2**20, lay, hw, buckets) + buckets * 3e-3)
+    # one pipeline transfer each way per micro-batch
+    pp = Layout(pp=2, micro_batch=2)
+    assert comm.p2p_stage_time(pp, SPEC, slow, BATCH) == pytest.approx(
+        comm.p2p_stage_time(pp, SPEC, hw, BATCH) + 2 * 3e-3)
+    # one process is no collective at all
+    assert comm.dp_collective("ar", 1e6, Layout(), slow, 1) == 0.0
+
+
+def test_tensor_parallel_counts_the_vocabulary_pieces():
+    """Per micro-batch: 4 allreduces of b s h per block, one for the vocab-parallel embedding,
+    one for the head's input gradient, and the cross-entropy's two of b s values."""
+    hw = _cpu(2, collective_overhead=3e-3)
+    lay = Layout(tp=2, micro_batch=8)
+    bw, alpha = hw.link(2, 1)
+    rows = 8 * SPEC.seq_len
+    big = comm.allreduce_time(rows * SPEC.hidden * 4, 2, bw, alpha, 1, 3e-3)
+    small = (comm.allreduce_time(rows * 4, 2, bw, alpha, 1, 3e-3)
+             + comm.allreduce_time(2 * rows * 4, 2, bw, alpha, 1, 3e-3))
+    assert comm.tp_time(lay, SPEC, hw, BATCH, SPEC.layers) == pytest.approx(
+        (4 * SPEC.layers + 2) * big + small)
+    # a pipeline's busiest stage holds one of embedding and head
+    assert comm.tp_time(replace(lay, pp=2), SPEC, hw, BATCH, 2) == pytest.approx(
+        (4 * 2 + 1) * big + small)
+
+
+def test_oversubscribed_ranks_absorb_the_bubble():
+    """dp 2 x pp 2 on 2 cores: the rate calibrated with 4 ranks computing is the contended
+    one; in the bubble half of them idle, so the step is the longer of the critical path at
+    twice that rate and each rank's own work at the contended rate. With a device per rank
+    (lanes 0) the bubble is (m + pp - 1) slots, as before."""
+    lay = Layout(dp=2, pp=2, zero=1, micro_batch=2)
+    own = estimate(lay, SPEC, _cpu(4), BATCH)
+    shared = estimate(lay, SPEC, _cpu(4, compute_lanes=2), BATCH)
+    m = own.microbatches
+    assert own.bubble == pytest.approx(1 / (m + 1))
+    slot = own.bubble_s                              # 1F1B at pp 2 idles one slot
+    t_mb = own.compute_s / m
+    free = slot - t_mb + t_mb * 2 / 4
+    assert shared.step_s == pytest.approx(own.step_s - (m + 1) * slot + max((m + 1) * free,
+                                                                           m * slot))
+    assert shared.step_s < own.step_s and shared.bubble_s < own.bubble_s
+    # no bubble, nothing to absorb: data parallelism alone is unchanged
+    ddp = Layout(dp=4, micro_batch=2)
+    assert estimate(ddp, SPEC, _cpu(4, compute_lanes=2), BATCH).step_s == pytest.approx(
+        estimate(ddp, SPEC, _cpu(4), BATCH).step_s)
+
+
+def test_a_calibration_hands_its_overhead_and_lanes_to_the_planner(monkeypatch):
+    from shardwise import autoplan
+    rank = autoplan.Compute(1, 8e10, 7e10, 0.0, 2e10)
+    cal = autoplan.Calibration("cpu", 2, rank, rank, 1e9, 2e-4, 16 * 2**30, 0.0, 3.5e-3)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    hw = cal.hardware(2)
+    assert hw.collective_overhead == 3.5e-3 and hw.compute_lanes == 2
+    assert "3.50 ms per call after compute" in cal.describe()
