@@ -30,8 +30,30 @@ sequence parallelism every term is divided by t (``s b h 34/t + ...``). Full rec
 ``2 s b h`` per layer (the block input) plus one block's full activations while it recomputes;
 selective recomputation drops only the attention core's ``5 a s^2 b / t``.
 The output layer adds ``4 s b V / t`` (fp32 logits) on the last stage. fp32 doubles everything.
+Fused attention (``ModelSpec.fused_attention``: FlashAttention, torch's
+``scaled_dot_product_attention``) keeps no ``s x s`` matrix for backward (only the output and a
+row of softmax statistics, ``a s b`` floats): the ``5 a s^2 b / t`` term is dropped, as
+selective recomputation drops it (Korthikanti et al. sec. 4 note the same of FlashAttention).
+Measured (shardwise/bench/validate_planner_memory.py): shardwise's GPT at L=8, h=768, s=128,
+b=2 in fp32 saves 97.6 MiB, the formula without the term reads 102 MiB (the 34 counts two
+dropout masks, 2 s b h, that a model without dropout does not keep), with it 132 MiB.
 A pipeline stage holds ``m`` micro-batches in flight under GPipe and ``min(m, pp - i)`` at stage
 i under 1F1B; the first and the last stage are checked and the larger total is reported.
+
+The peak instant (``Memory.peak``). Each category above is its own high-water mark, and they
+are not reached at the same moment: saved activations peak at the end of forward, before any
+gradient bucket is in use, and are mostly freed by the end of backward, when the buckets are
+reducing and (ZeRO-2/3) the gradient shards exist. So the device's peak is the persistent
+states (parameters, master weights, optimizer states, and the gradients where they persist:
+DDP, ZeRO-1, pipelines, any run of several micro-batches per step) plus the larger of two
+phases: forward's end (activations + the buffers live in forward: ZeRO-3's gathered units,
+the pipeline's boundary buffers) and backward's end / the step (the transient gradients + every
+buffer: ZeRO-2/3's shard, or a single replica's ``p.grad`` freed by ``zero_grad``). Within
+backward the gradients grow as the activations are freed, layer by layer, so for uniform layers
+the larger phase bounds every instant in between. ``total`` adds every category and is kept as the conservative figure
+(the planner's ``fits`` and its tables use it); ``peak`` is what the measured peak resident
+memory is compared with. The sum over-reads the peak by at most min(activations, buckets +
+transient gradients).
 """
 from __future__ import annotations
 
@@ -59,6 +81,9 @@ class Memory:
     """Bytes offloaded to each node's host memory (``offload=cpu``)."""
     disk_per_node: float
     """Bytes offloaded to each node's disk (``offload=disk``)."""
+    peak: float = 0.0
+    """Bytes on that device at the peak instant of a step (module docstring): persistent states
+    plus the larger of forward's end and backward's end; at most ``total``."""
 
     @property
     def total(self) -> float:
@@ -132,7 +157,8 @@ def activation_per_layer(model: ModelSpec, layout: Layout, batch: Batch, full: b
         return scale * 2 * s * b * h / sp
     unsplit = 10 / sp
     split = (8 + 4 * model.ffn / h) / t
-    attention = 0.0 if layout.selective_recompute else 5 * model.heads * s * s * b / t
+    dropped = layout.selective_recompute or model.fused_attention     # no s x s kept
+    attention = 0.0 if dropped else 5 * model.heads * s * s * b / t
     return scale * (s * b * h * (unsplit + split) + attention)
 
 
@@ -162,50 +188,88 @@ def stage_activations(model: ModelSpec, layout: Layout, batch: Batch, stage: int
     return held
 
 
-def buffers(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float) -> float:
-    """Communication buffers: two gradient buckets for DDP / ZeRO-1/2 (one reducing, one
-    filling); for ZeRO-3 two gathered blocks (the one computing, the one prefetched) and a
-    bucket; two boundary activations (send, receive) per pipeline stage."""
+def buffer_parts(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float) -> dict:
+    """Communication buffers by kind: ``buckets``, two gradient buckets for DDP / ZeRO (one
+    reducing, one filling; live in backward); ``gathered``, ZeRO-3's two gathered blocks (the
+    one computing, the one prefetched; forward and backward); ``boundary``, two boundary
+    activations (send, receive) per pipeline stage (forward and backward)."""
     grad_bytes = state_bytes(batch)["gradients"]
-    total = 0.0
+    parts = {"buckets": 0.0, "gathered": 0.0, "boundary": 0.0}
     if layout.dp > 1 or layout.offloaded:
-        total += 2 * min(layout.bucket_bytes, grad_bytes * p_dev)
+        parts["buckets"] = 2 * min(layout.bucket_bytes, grad_bytes * p_dev)
     if layout.zero >= 3:
-        total += 2 * state_bytes(batch)["parameters"] * model.layer_params / layout.tp
+        parts["gathered"] = 2 * state_bytes(batch)["parameters"] * model.layer_params / layout.tp
     if layout.pp > 1:
-        total += 2 * 2 * model.seq_len * layout.micro_batch * model.hidden / layout.tp
-    return total
+        parts["boundary"] = 2 * 2 * model.seq_len * layout.micro_batch * model.hidden / layout.tp
+    return parts
 
 
-def _device(model, layout, batch, stage, microbatches) -> tuple[dict[str, float], dict]:
-    """(categories, bytes moved to cpu / disk) for one device of ``stage``."""
+def buffers(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float) -> float:
+    """Communication buffers: every kind of :func:`buffer_parts` together."""
+    return sum(buffer_parts(model, layout, batch, p_dev).values())
+
+
+def peak_instant(device: dict[str, float], parts: dict[str, float], layout: Layout,
+                 microbatches: int) -> float:
+    """Bytes at the step's peak instant (module docstring): persistent states plus the larger
+    of forward's end (activations + gathered units + boundary buffers) and backward's end (the
+    transient gradients + every buffer). Gradients are transient when one micro-batch makes
+    the step (accumulation keeps them through the next forward) and nothing holds them between
+    steps: ZeRO-2/3 free their shard after the step, a single device's ``p.grad`` go at
+    ``zero_grad(set_to_none=True)`` (torch's default). Every other layout keeps its whole
+    gradients in a flat buffer that persists: DDP's and ZeRO-1's buckets, the contiguous
+    gradient buffer of tensor and pipeline parallelism (Megatron's, shardwise/parallel/
+    hybrid.py's), a parameter-server worker's."""
+    alone = layout.dp == layout.tp == layout.pp == 1 and not layout.num_ps
+    transient = microbatches == 1 and (layout.zero >= 2 or alone)
+    grads = device["gradients"] if transient else 0.0
+    persistent = sum(device[k] for k in ("parameters", "master_weights", "optimizer_states"))
+    persistent += device["gradients"] - grads
+    forward = device["activations"] + parts["gathered"] + parts["boundary"]
+    backward = grads + sum(parts.values())
+    return persistent + max(forward, backward)
+
+
+def _device(model, layout, batch, stage, microbatches) -> tuple[dict[str, float], dict, float]:
+    """(categories, bytes moved to cpu / disk, bytes at the peak instant) for one device of
+    ``stage``."""
     p_dev = stage_params(model, layout.pp, stage) / layout.tp
     states, offloaded = model_states(p_dev, layout, batch)
     states["activations"] = stage_activations(model, layout, batch, stage, microbatches)
-    states["buffers"] = buffers(model, layout, batch, p_dev)
-    return {k: states[k] for k in CATEGORIES}, offloaded
+    parts = buffer_parts(model, layout, batch, p_dev)
+    states["buffers"] = sum(parts.values())
+    device = {k: states[k] for k in CATEGORIES}
+    return device, offloaded, peak_instant(device, parts, layout, microbatches)
 
 
 def _server(model: ModelSpec, layout: Layout, batch: Batch) -> dict[str, float]:
-    """A parameter server: its 1/num_ps of the fp32 weights, fp32 gradient sums, optimizer."""
+    """A parameter server: its 1/num_ps of the fp32 weights, fp32 gradient sums, optimizer, and
+    its message buffers: a receive posted for every worker's push (they land as they come, in
+    any order), a reply in flight to every worker, and one it stages the update in, 2W + 1
+    fp32 messages of its share (shardwise/parallel/ps.py; Li et al. 2014's servers likewise
+    buffer one message per worker connection)."""
     share = model.params / layout.num_ps
     per = state_bytes(batch)
     return {"parameters": 4 * share, "gradients": 4 * share, "optimizer_states":
             per["optimizer_states"] * share, "master_weights": 0.0, "activations": 0.0,
-            "buffers": 0.0}
+            "buffers": 4 * share * (2 * layout.dp + 1)}
 
 
 def memory(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Memory:
     """The fullest device's memory, and what offload puts on each node's host or disk."""
     m = layout.microbatches(batch.global_batch)
-    first, offloaded = _device(model, layout, batch, 0, m)
-    candidates = [("stage 0" if layout.pp > 1 else "rank", first)]
+    first, offloaded, first_peak = _device(model, layout, batch, 0, m)
+    candidates = [("stage 0" if layout.pp > 1 else "rank", first, first_peak)]
     if layout.pp > 1:
-        candidates.append(("last stage", _device(model, layout, batch, layout.pp - 1, m)[0]))
+        last, _, last_peak = _device(model, layout, batch, layout.pp - 1, m)
+        candidates.append(("last stage", last, last_peak))
     if layout.num_ps:
+        # a worker keeps no optimizer; both hold every category through the step (no buckets)
         worker = dict(first, master_weights=0.0, optimizer_states=0.0)
-        candidates = [("worker", worker), ("server", _server(model, layout, batch))]
-    role, device = max(candidates, key=lambda c: sum(c[1].values()))
+        server = _server(model, layout, batch)
+        candidates = [("worker", worker, sum(worker.values())),
+                      ("server", server, sum(server.values()))]
+    role, device, peak = max(candidates, key=lambda c: sum(c[1].values()))
     on_node = min(hw.devices_per_node, layout.world)
     host, disk = offloaded["cpu"] * on_node, offloaded["disk"] * on_node
-    return Memory(device=device, role=role, host_per_node=host, disk_per_node=disk)
+    return Memory(device=device, role=role, host_per_node=host, disk_per_node=disk, peak=peak)

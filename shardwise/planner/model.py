@@ -32,6 +32,11 @@ class ModelSpec:
     """Width of the MLP's inner layer, f; 0 means 4h. (A SwiGLU MLP of width w counts as 1.5w.)"""
     tied_embeddings: bool = True
     """Whether the output head shares the token embedding's weights (GPT-2/3 do)."""
+    fused_attention: bool = False
+    """Whether attention runs as one fused kernel that does not keep the ``s x s`` score and
+    softmax matrices for backward (FlashAttention, ``F.scaled_dot_product_attention``, as
+    shardwise's own GPT does); the activation count then drops Korthikanti et al.'s
+    ``5 a s^2 b`` term (planner/memory.py). False: the paper's unfused attention."""
     name: str = "custom"
     """Preset name, for the report."""
 
