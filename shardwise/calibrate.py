@@ -16,7 +16,8 @@
   1 KiB, twelve times: what that costs beyond the compute alone and the idle 1 KiB allreduce
   is ``collective_overhead`` (the ranks' arrival skew and waking gloo's threads, which every
   collective in training pays after the compute before it: about 3 ms here, 15x the idle
-  figure).
+  figure, when ranks block; much less when they poll, ``train.comm_wait``). The probe waits as
+  training will (``runtime.spins``).
 """
 from __future__ import annotations
 
@@ -175,7 +176,11 @@ def _allreduce_probe(rank: int, world: int, reps: tuple[int, int], cfg: Config |
     figure includes the ranks' contention for cores and memory bandwidth)."""
     from shardwise.comm.collectives import Comm
     from shardwise.mesh import Mesh
-    comm, group = Comm(), Mesh.build(1, world, 1).world
+    from shardwise.runtime import spins
+    torch.set_num_threads(threads)      # what each rank will have, so it waits as training will
+    wait = cfg.train.comm_wait if cfg is not None else "auto"
+    comm = Comm(spin=spins(wait, torch.device("cpu"), world))
+    group = Mesh.build(1, world, 1).world
     out = {}
     for numel, n in zip((SMALL, LARGE), reps):
         t = torch.ones(numel)

@@ -161,6 +161,12 @@ class TrainConfig:
     collective_timeout: float = _f(300.0, "seconds a collective waits for the other ranks before "
                                    "the run stops with an error naming the rank, operation and "
                                    "step (a stalled or dead rank); gloo's own default is 30 min")
+    comm_wait: str = _f("auto", "how a rank waits for a collective: spin = poll until done (the "
+                        "core stays awake: after compute a small gloo allreduce takes 0.3 ms "
+                        "instead of 3-4 ms on a machine whose idle cores sleep), block = sleep "
+                        "until woken; auto = spin on CPU when each rank of this host has cores "
+                        "of its own (ranks x threads <= cores), else block",
+                        ("auto", "spin", "block"))
     checkpoint_dir: str = _f("", "save checkpoints into this folder (torch.distributed.checkpoint:"
                              " step-N/ sub-folders and a 'latest' pointer); also saved at the end"
                              " and when the run is stopped (SIGINT / SIGTERM); empty = no saving")

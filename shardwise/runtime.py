@@ -98,8 +98,20 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
         mesh_sizes = (1, world_size, 1) if p.strategy == "ps" else (p.pp, resolve_dp(cfg, world_size), p.tp)
     mesh = Mesh.build(*mesh_sizes)
     timeout = timedelta(seconds=collective_seconds(cfg)) if world_size > 1 else None
-    return Runtime(mesh=mesh, comm=Comm(CommMeter(), timeout=timeout), device=device, backend=backend,
-                   local_rank=local_rank)
+    comm = Comm(CommMeter(), timeout=timeout, spin=spins(cfg.train.comm_wait, device, world_size))
+    return Runtime(mesh=mesh, comm=comm, device=device, backend=backend, local_rank=local_rank)
+
+
+def spins(choice: str, device: torch.device, world_size: int) -> bool:
+    """Whether collectives are waited by polling (``train.comm_wait``; comm/collectives.py):
+    ``auto`` polls on CPU when this host's ranks (LOCAL_WORLD_SIZE, else the world) times each
+    one's threads fit in its cores, so no rank's compute loses a core to another's polling."""
+    if choice != "auto":
+        return choice == "spin"
+    if device.type != "cpu" or world_size < 2:
+        return False
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return local * torch.get_num_threads() <= len(os.sched_getaffinity(0))
 
 
 def shutdown(rt: Runtime, clean: bool = True) -> None:
