@@ -13,8 +13,8 @@
   ``Comm.all_reduce`` of 1 KiB and 4 MiB, fitted to the ring's alpha-beta model
   ``2 (N-1) alpha + 2 (N-1)/N K / bw``: ``bw`` is the bus bandwidth (``intra_bw``), ``alpha``
   the latency per ring step; then each rank computes for a few milliseconds and allreduces
-  1 KiB, twelve times: what that costs beyond the compute alone and the idle 1 KiB allreduce
-  is ``collective_overhead`` (the ranks' arrival skew and waking gloo's threads, which every
+  1 MiB, twenty times: what that costs beyond the compute alone and the alpha-beta time of
+  1 MiB is ``collective_overhead`` (the ranks' arrival skew and waking gloo's threads, which every
   collective in training pays after the compute before it: about 3 ms here, 15x the idle
   figure, when ranks block; much less when they poll, ``train.comm_wait``). The probe waits as
   training will (``runtime.spins``).
@@ -32,8 +32,9 @@ from shardwise.config import Config, ConfigError
 from shardwise.planner import Hardware, ModelSpec
 from shardwise.planner.units import fmt_bytes
 
-SMALL, LARGE = 256, 1 << 20
-"""Allreduce probe sizes in fp32 elements: 1 KiB (latency) and 4 MiB (bandwidth)."""
+SMALL, MID, LARGE = 256, 1 << 18, 1 << 20
+"""Allreduce probe sizes in fp32 elements: 1 KiB (latency), 1 MiB (after compute: a layer's
+activations, as tensor parallelism reduces them) and 4 MiB (bandwidth)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Calibration:
             reserved_bytes=0 if cpu else 2**30, name=f"{self.device} (calibrated)",
             comm_overlap=0.0 if cpu else 1.0,   # CPU ranks reduce on the cores they compute on
             collective_overhead=self.collective_overhead,
+            collective_copies=1.0 if cpu else 0.0,   # gloo's reduce-scatter / all-gather copies
             compute_lanes=max(1, (os.cpu_count() or 1) // max(1, c.threads)) if cpu else 0,
             interconnect="shm" if cpu else "gloo")
 
@@ -192,16 +194,16 @@ def _allreduce_probe(rank: int, world: int, reps: tuple[int, int], cfg: Config |
             comm.all_reduce(t, group)
             times.append(time.perf_counter() - t0)
         out[numel] = statistics.median(times)
-    out["overhead"] = _overhead_after_compute(comm, group, out[SMALL])
+    out["after_compute"] = _after_compute(comm, group)
     if cfg is not None:
         comm.barrier(group)
         out["compute"] = measure_compute(cfg, torch.device("cpu"), threads)
     return out
 
 
-def _overhead_after_compute(comm, group, idle: float, reps: int = 12) -> float:
-    """Seconds a 1 KiB allreduce costs right after a few milliseconds of compute, beyond the
-    compute itself and the same allreduce between idle ranks (module docstring)."""
+def _after_compute(comm, group, reps: int = 20) -> float:
+    """Seconds a MID-element allreduce adds right after a few milliseconds of compute, beyond
+    the compute itself (module docstring)."""
     a = torch.randn(384, 384)
 
     def work():
@@ -214,7 +216,7 @@ def _overhead_after_compute(comm, group, idle: float, reps: int = 12) -> float:
         t0 = time.perf_counter()
         work()
         alone.append(time.perf_counter() - t0)
-    t = torch.ones(SMALL)
+    t = torch.ones(MID)
     comm.barrier(group)
     both = []
     for _ in range(reps):
@@ -222,7 +224,7 @@ def _overhead_after_compute(comm, group, idle: float, reps: int = 12) -> float:
         work()
         comm.all_reduce(t, group)
         both.append(time.perf_counter() - t0)
-    return max(0.0, statistics.median(both) - statistics.median(alone) - idle)
+    return statistics.median(both) - statistics.median(alone)
 
 
 def measure_allreduce(world: int, cfg: Config | None = None, threads: int = 1):
@@ -232,14 +234,17 @@ def measure_allreduce(world: int, cfg: Config | None = None, threads: int = 1):
     from shardwise.testing import run_world
     if world < 2:
         return 0.0, 0.0, None, 0.0
-    per_rank = run_world(_allreduce_probe, world, (30, 6), cfg, threads, timeout=120)
+    per_rank = run_world(_allreduce_probe, world, (30, 10), cfg, threads, timeout=120)
     small = max(r[SMALL] for r in per_rank)
     large = max(r[LARGE] for r in per_rank)
     steps = 2 * (world - 1)
     bw = steps / world * (LARGE - SMALL) * 4 / max(large - small, 1e-9)
     computes = [r["compute"] for r in per_rank if "compute" in r]
     slowest = min(computes, key=lambda c: c.model_flops) if computes else None
-    return bw, small / steps, slowest, max(r["overhead"] for r in per_rank)
+    alpha = small / steps
+    model = steps * alpha + steps / world * MID * 4 / bw      # the alpha-beta time of MID
+    overhead = max(0.0, max(r["after_compute"] for r in per_rank) - model)
+    return bw, alpha, slowest, overhead
 
 
 def processes(cfg: Config) -> int:
@@ -278,10 +283,12 @@ def calibrate(cfg: Config) -> Calibration:
 
 
 def model_spec(cfg: Config) -> ModelSpec:
-    """The planner's view of the configured GPT (untied head, as in ``models/gpt.py``)."""
+    """The planner's view of the configured GPT (untied head, and fused attention: models/gpt.py
+    uses scaled_dot_product_attention, which keeps no s x s matrix)."""
     m = cfg.model
     if m.name != "gpt":
         raise ConfigError("parallel.strategy", "auto", f"the planner models transformers, not "
                           f"{m.name}", "pick a strategy for this model (e.g. --strategy ddp)")
     return ModelSpec(m.n_layer, m.n_embd, m.n_head, m.block_size, m.vocab_size,
-                     tied_embeddings=False, name=f"gpt L={m.n_layer} h={m.n_embd}")
+                     tied_embeddings=False, fused_attention=True,
+                     name=f"gpt L={m.n_layer} h={m.n_embd}")

@@ -20,8 +20,8 @@ and no final gather of the weights, which are not training state). ``used = peak
 
 Compared: the planner's fullest device (``Estimate.memory_role``) with the fullest measured rank
 playing that role (``validate_planner._same_role``), on this machine's committed calibration
-(shardwise/bench/results/planner_validation.json; memory does not depend on it but for the
-capacity). Predicted figures: ``memory_total`` (every category's own high-water mark added up)
+(shardwise/bench/results/planner_validation.json; memory depends on it only through the
+capacity and the backend's collective copies, ``Hardware.collective_copies``). Predicted figures: ``memory_total`` (every category's own high-water mark added up)
 and ``memory_peak`` (the peak instant, shardwise/planner/memory.py); shardwise's GPT uses
 ``F.scaled_dot_product_attention``, so the spec says ``fused_attention=True``. ``dp`` runs R
 replicas in one process, each on its own thread at once: R whole devices of batch / R. Goal
@@ -114,7 +114,7 @@ def predicted(name: str, cfg, layout, hw) -> dict:
     from shardwise import autoplan
     from shardwise.planner import estimate
     from shardwise.planner.memory import memory
-    spec = replace(autoplan.model_spec(cfg), fused_attention=True)   # models/gpt.py uses SDPA
+    spec = autoplan.model_spec(cfg)          # fused attention: models/gpt.py uses SDPA
     batch = autoplan.batch_of(cfg)
     copies = cfg.parallel.replicas if name == "dp" else 1     # dp: R whole replicas, at once
     batch = replace(batch, global_batch=max(1, batch.global_batch // copies))   # one replica's

@@ -56,6 +56,12 @@ class Hardware:
     and the peer's receive). A CPU calibration measures it (about 3 ms per call with gloo on a
     loaded 2-core machine, against 0.2 ms per ring step idle); 0 for the catalogue's GPUs, where
     NCCL's few microseconds per launch are inside ``intra_latency``."""
+    collective_copies: float = 0.0
+    """Whole-size temporaries the backend allocates per reduce-scatter or all-gather in flight,
+    as a multiple of the collective's tensor: 1 for gloo (it copies the input of a
+    reduce-scatter and gathers into a temporary of the output's size; a CPU calibration sets
+    it), 0 for NCCL (in place). Counted in the ``buffers`` of ZeRO layouts (memory.py). Such a
+    backend also takes an allreduce's time for them (comm.dp_collective)."""
     compute_lanes: int = 0
     """Ranks of a node that compute at full speed at once: 0 when every rank has a device of
     its own; a CPU calibration sets cores / threads per rank. When a node runs more ranks than

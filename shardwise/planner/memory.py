@@ -188,25 +188,39 @@ def stage_activations(model: ModelSpec, layout: Layout, batch: Batch, stage: int
     return held
 
 
-def buffer_parts(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float) -> dict:
+def buffer_parts(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float,
+                 copies: float = 0.0) -> dict:
     """Communication buffers by kind: ``buckets``, two gradient buckets for DDP / ZeRO (one
     reducing, one filling; live in backward); ``gathered``, ZeRO-3's two gathered blocks (the
     one computing, the one prefetched; forward and backward); ``boundary``, two boundary
-    activations (send, receive) per pipeline stage (forward and backward)."""
+    activations (send, receive) per pipeline stage (forward and backward); ``backend``, what
+    the backend itself allocates for ZeRO's collectives in flight, ``copies``
+    (``Hardware.collective_copies``) times their whole tensors: gloo copies a reduce-scatter's
+    input and gathers into a temporary of the output's size, NCCL does not (0). In flight at
+    once in shardwise's schedules: ZeRO-1, every bucket's reduce-scatter, waited at the step
+    (the whole gradient); ZeRO-2, its two buckets; ZeRO-3, its two gathered blocks; a
+    pipeline's ZeRO-1, the stage's reduce-scatter, then its all-gather (the stage's
+    parameters, the larger)."""
     grad_bytes = state_bytes(batch)["gradients"]
-    parts = {"buckets": 0.0, "gathered": 0.0, "boundary": 0.0}
+    parts = {"buckets": 0.0, "gathered": 0.0, "boundary": 0.0, "backend": 0.0}
     if layout.dp > 1 or layout.offloaded:
         parts["buckets"] = 2 * min(layout.bucket_bytes, grad_bytes * p_dev)
     if layout.zero >= 3:
         parts["gathered"] = 2 * state_bytes(batch)["parameters"] * model.layer_params / layout.tp
     if layout.pp > 1:
         parts["boundary"] = 2 * 2 * model.seq_len * layout.micro_batch * model.hidden / layout.tp
+    if copies and layout.dp > 1 and layout.zero and not layout.num_ps:
+        whole = {1: grad_bytes * p_dev, 2: parts["buckets"], 3: parts["gathered"]}[layout.zero]
+        if layout.pp > 1:
+            whole = max(grad_bytes, state_bytes(batch)["parameters"]) * p_dev
+        parts["backend"] = copies * whole
     return parts
 
 
-def buffers(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float) -> float:
+def buffers(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float,
+            copies: float = 0.0) -> float:
     """Communication buffers: every kind of :func:`buffer_parts` together."""
-    return sum(buffer_parts(model, layout, batch, p_dev).values())
+    return sum(buffer_parts(model, layout, batch, p_dev, copies).values())
 
 
 def peak_instant(device: dict[str, float], parts: dict[str, float], layout: Layout,
@@ -226,17 +240,20 @@ def peak_instant(device: dict[str, float], parts: dict[str, float], layout: Layo
     persistent = sum(device[k] for k in ("parameters", "master_weights", "optimizer_states"))
     persistent += device["gradients"] - grads
     forward = device["activations"] + parts["gathered"] + parts["boundary"]
+    if layout.zero >= 3:                  # the gathers' copies are in flight in forward too
+        forward += parts["backend"]
     backward = grads + sum(parts.values())
     return persistent + max(forward, backward)
 
 
-def _device(model, layout, batch, stage, microbatches) -> tuple[dict[str, float], dict, float]:
+def _device(model, layout, batch, stage, microbatches,
+            copies: float = 0.0) -> tuple[dict[str, float], dict, float]:
     """(categories, bytes moved to cpu / disk, bytes at the peak instant) for one device of
-    ``stage``."""
+    ``stage``; ``copies``: the backend's (``buffer_parts``)."""
     p_dev = stage_params(model, layout.pp, stage) / layout.tp
     states, offloaded = model_states(p_dev, layout, batch)
     states["activations"] = stage_activations(model, layout, batch, stage, microbatches)
-    parts = buffer_parts(model, layout, batch, p_dev)
+    parts = buffer_parts(model, layout, batch, p_dev, copies)
     states["buffers"] = sum(parts.values())
     device = {k: states[k] for k in CATEGORIES}
     return device, offloaded, peak_instant(device, parts, layout, microbatches)
@@ -258,10 +275,11 @@ def _server(model: ModelSpec, layout: Layout, batch: Batch) -> dict[str, float]:
 def memory(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Memory:
     """The fullest device's memory, and what offload puts on each node's host or disk."""
     m = layout.microbatches(batch.global_batch)
-    first, offloaded, first_peak = _device(model, layout, batch, 0, m)
+    copies = hw.collective_copies
+    first, offloaded, first_peak = _device(model, layout, batch, 0, m, copies)
     candidates = [("stage 0" if layout.pp > 1 else "rank", first, first_peak)]
     if layout.pp > 1:
-        last, _, last_peak = _device(model, layout, batch, layout.pp - 1, m)
+        last, _, last_peak = _device(model, layout, batch, layout.pp - 1, m, copies)
         candidates.append(("last stage", last, last_peak))
     if layout.num_ps:
         # a worker keeps no optimizer; both hold every category through the step (no buckets)

@@ -26,10 +26,9 @@ def test_every_call_pays_the_overhead_once():
     buckets = 7
     assert comm.dp_collective("ar", 7 * 2**20, lay, slow, buckets) == pytest.approx(
         comm.dp_collective("ar", 7 * 2**20, lay, hw, buckets) + buckets * 3e-3)
-    # one pipeline transfer each way per micro-batch
+    # a pipeline's one-way transfers do not: their sender does not wait
     pp = Layout(pp=2, micro_batch=2)
-    assert comm.p2p_stage_time(pp, SPEC, slow, BATCH) == pytest.approx(
-        comm.p2p_stage_time(pp, SPEC, hw, BATCH) + 2 * 3e-3)
+    assert comm.p2p_stage_time(pp, SPEC, slow, BATCH) == comm.p2p_stage_time(pp, SPEC, hw, BATCH)
     # one process is no collective at all
     assert comm.dp_collective("ar", 1e6, Layout(), slow, 1) == 0.0
 
