@@ -219,19 +219,25 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if "memory" not in k}), flush=True)
     load = os.getloadavg()
-    out_dir = RESULTS if args.save else tempfile.mkdtemp(prefix="shardwise-validate-")
-    os.makedirs(out_dir, exist_ok=True)
     doc = {"rows": rows, "load_average": load, "steps": args.steps,
            "calibration": {n: {"text": c.describe(), "hardware": c.hardware(n).to_dict()}
                            for n, c in hardware.items()}}
-    with open(os.path.join(out_dir, "planner_validation.json"), "w") as fh:
+    write_results(args.save, "planner_validation", doc, markdown(rows, hardware, load))
+    return 0
+
+
+def write_results(save: bool, stem: str, doc: dict, table: str) -> str:
+    """``stem``.json and ``stem``.md into shardwise/bench/results/ (``save``) or a new temp
+    folder; prints the table and the folder, and returns the folder."""
+    out_dir = RESULTS if save else tempfile.mkdtemp(prefix=f"shardwise-{stem}-")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as fh:
         json.dump(doc, fh, indent=2, default=str)
-    table = markdown(rows, hardware, load)
-    with open(os.path.join(out_dir, "planner_validation.md"), "w") as fh:
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as fh:
         fh.write(table)
     print(table)
     print(f"results: {out_dir}")
-    return 0
+    return out_dir
 
 
 if __name__ == "__main__":

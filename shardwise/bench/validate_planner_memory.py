@@ -33,12 +33,11 @@ import argparse
 import json
 import os
 import resource
-import tempfile
 import time
 from dataclasses import replace
 
 from shardwise.bench.memory import MODEL, MiB, _returning_malloc, _rss_now
-from shardwise.bench.validate_planner import CASES, RESULTS, _gap, _pct, _same_role
+from shardwise.bench.validate_planner import CASES, RESULTS, _gap, _pct, _same_role, write_results
 
 GOAL = 0.10
 BATCH = 4                  # global batch (sequences): model states dominate at 57M
@@ -208,16 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                          default=str), flush=True)
     meta = {"model": MODEL, "batch": args.batch, "steps": args.steps, "load": os.getloadavg(),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    out_dir = RESULTS if args.save else tempfile.mkdtemp(prefix="shardwise-planner-memory-")
-    os.makedirs(out_dir, exist_ok=True)
     table = markdown(rows, meta)
-    with open(os.path.join(out_dir, "planner_memory_validation.json"), "w") as fh:
-        json.dump({**meta, "goal": GOAL, "rows": rows, "table": table}, fh, indent=2,
-                  default=str)
-    with open(os.path.join(out_dir, "planner_memory_validation.md"), "w") as fh:
-        fh.write(table)
-    print(table)
-    print(f"results: {out_dir}")
+    write_results(args.save, "planner_memory_validation",
+                  {**meta, "goal": GOAL, "rows": rows, "table": table}, table)
     return 0
 
 
