@@ -89,8 +89,11 @@ class ParallelConfig:
     dp: int = _f(0, "data-parallel size; 0 = whatever the world size leaves after tp and pp")
     tp: int = _f(1, "tensor-parallel size (innermost mesh axis)")
     pp: int = _f(1, "pipeline-parallel size (outermost mesh axis)")
-    allreduce: str = _f("native", "gradient allreduce: the backend's own, or shardwise's ring",
-                        ("native", "ring"))
+    allreduce: str = _f("auto", "gradient allreduce: native = the backend's own; ring = "
+                        "shardwise's ring; shm = through shared memory between the ranks of one "
+                        "CPU host (about half gloo's time); auto = shm where every rank of the "
+                        "group is on one x86 CPU host and polls (--comm-wait), else native",
+                        ("auto", "native", "ring", "shm"))
     bucket_mb: float = _f(25.0, "DDP / ZeRO gradient bucket size in MB")
     overlap: bool = _f(True, "launch each bucket's reduction during backward (off: after it)")
     find_unused: bool = _f(False, "DDP: tolerate parameters that get no gradient in a step")

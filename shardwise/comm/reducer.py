@@ -3,6 +3,13 @@
 (shardwise/comm/ring.py, ``parallel.allreduce = ring``; on gloo the ring's reduce-scatter is
 ~3.5x faster than the backend's).
 
+``shm`` (and ``auto`` where it applies) serves the all-reduce from shared memory when every
+member runs on this host (shardwise/comm/shm.py; about half gloo's time on CPU); reduce-scatter
+and all-gather stay native. ``auto`` takes it when every member is on one x86 CPU host and waits
+by polling (``train.comm_wait``: each rank has cores of its own), else native. The choice is made
+at the first all-reduce, from every member's answers gathered once, so all members agree; an
+explicit ``shm`` that cannot apply stops with the reason.
+
 The ring is a sequence of blocking sends and receives; to overlap it with backward it runs on
 one background thread, which also keeps every rank's collectives in the order they were
 launched (point-to-point matching needs the same order on every rank). Either way the caller
@@ -12,16 +19,46 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.comm import shm
 from shardwise.comm.collectives import DONE, Comm, Group, Work
 from shardwise.comm.ring import RingRunner
 
+KINDS = ("auto", "native", "ring", "shm")
+
 
 class Reducer:
-    """all_reduce / reduce_scatter / all_gather for one group, native or ring, metered by name."""
+    """all_reduce / reduce_scatter / all_gather for one group, native, ring or shared memory
+    (all-reduce only), metered by name."""
 
-    def __init__(self, comm: Comm, group: Group, ring: bool):
-        self.comm, self.group = comm, group
-        self.ring = RingRunner(comm) if ring and group.size > 1 else None
+    def __init__(self, comm: Comm, group: Group, kind: str, device: torch.device | None = None):
+        if kind not in KINDS:
+            raise ValueError(f"Reducer: kind {kind!r} is not one of {KINDS}")
+        self.comm, self.group, self.kind = comm, group, kind
+        self.device = device if device is not None else torch.device("cpu")
+        self.ring = RingRunner(comm) if kind == "ring" and group.size > 1 else None
+        self._shm: shm.ShmAllReduce | None | bool = None   # None: not decided yet; False: no
+
+    def _shared_memory(self) -> shm.ShmAllReduce | None:
+        """The shared-memory all-reduce, decided (collectively) at the first call."""
+        if self._shm is None:
+            self._shm = False
+            if self.kind in ("auto", "shm") and self.group.size > 1:
+                why = shm.unusable(self.comm, self.group, self.device,
+                                   need_polling=self.kind == "auto")
+                if why is None:
+                    self._shm = shm.ShmAllReduce(self.comm, self.group)
+                elif self.kind == "shm":
+                    raise RuntimeError(f"parallel.allreduce = shm: {why}; fix: --allreduce auto "
+                                       "(shared memory where it applies) or native")
+        return self._shm or None
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        return bool(self._shm)
+
+    def nbytes(self) -> int:
+        """Bytes of the shared-memory region (0 when none is mapped)."""
+        return self._shm.nbytes if self._shm else 0
 
     def close(self) -> None:
         if self.ring is not None:
@@ -36,6 +73,10 @@ class Reducer:
 
     def all_reduce(self, t: torch.Tensor, async_op: bool, name: str) -> Work:
         """t = the group's sum of t, in place."""
+        fast = self._shared_memory()
+        if fast is not None and t.is_contiguous() and t.dtype in shm.SUMMABLE:
+            fast.all_reduce(t, name)    # synchronous: the returned Work is already done
+            return DONE
         if self.ring is not None:
             return self._finish(self.ring.all_reduce(t, self.group, name=name), async_op)
         return self._finish(self.comm.all_reduce(t, self.group, async_op=async_op, name=name),

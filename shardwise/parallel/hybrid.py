@@ -110,7 +110,7 @@ class HybridStrategy(PipelineState, PipelineZero1, Strategy):
         # 3. data parallel over dp: stage 0 is the DDP component (buckets, overlap with the
         # last micro-batch's backward, ring, compression); stage 1 the flat ZeRO-1 below
         self.zero1 = zero_stage(self.cfg) == 1
-        self.reducer = Reducer(self.comm, mesh.dp_group, p.allreduce == "ring")
+        self.reducer = Reducer(self.comm, mesh.dp_group, p.allreduce, self.device)
         self.dp = None
         if not self.zero1:
             stage_model = self.model

@@ -27,11 +27,13 @@ def _configs():
     base = tiny_config("ddp", steps=20, bucket_mb=0.01)  # ~10 KB buckets: several per step
     return [base,
             replace(base, parallel=replace(base.parallel, allreduce="ring")),
-            replace(base, parallel=replace(base.parallel, overlap=False))]
+            replace(base, parallel=replace(base.parallel, overlap=False)),
+            replace(base, parallel=replace(base.parallel, allreduce="shm")),
+            replace(base, parallel=replace(base.parallel, allreduce="native"))]
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ddp_equals_single_native_ring_and_no_overlap(world):
+def test_ddp_equals_single_native_ring_shm_and_no_overlap(world):
     configs = _configs()
     expected = single_run(configs[0])
     results = run_world(_ddp_runs, world, configs)

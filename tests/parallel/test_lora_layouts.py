@@ -111,8 +111,27 @@ def world():
                                   and not n.startswith("adam8-zero")])
 def test_layout_equals_one_process(world, name):
     losses, params = single_run(RUNS[name])
+    if name.startswith("adam8"):
+        _assert_close_but_for_flipped_codes(world[name], losses, params)
+        return
     assert_close_runs(world[name]["losses"], losses, world[name]["params"], params, 1e-5, 1e-5,
                       why="fp32 reordering (tests/reference.py)")
+
+
+def _assert_close_but_for_flipped_codes(got, losses, params):
+    """8-bit moments: a gradient summed in another order (last bits) can move a moment across a
+    quantisation boundary, so that element's update differs by one code step (seen on one AMD
+    host: 1 of 3,072 elements off by 2.7e-4 after 4 steps). Real errors (a wrong shard, a missing
+    average) move most elements. So: the losses within fp32 reordering, and per tensor at most
+    0.1% of the elements (and at most 2) beyond 1e-5, none beyond 1e-3."""
+    for step, (a, b) in enumerate(zip(got["losses"], losses)):
+        assert abs(a - b) <= 1e-5 + 1e-5 * abs(b), f"step {step}: loss {a} vs {b}"
+    assert got["params"].keys() == params.keys()
+    for name, b in params.items():
+        diff = (got["params"][name] - b).abs()
+        off = int((diff > 1e-5 + 1e-5 * b.abs()).sum())
+        assert off <= max(2, b.numel() // 1000), f"{name}: {off} of {b.numel()} elements differ"
+        assert float(diff.max()) <= 1e-3, f"{name}: off by {float(diff.max())}"
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])

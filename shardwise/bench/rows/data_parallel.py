@@ -1,5 +1,6 @@
-"""Data-parallel rows: DDP against torch DDP (overlap on/off, ring), DP against DDP, ring bus
-bandwidth against gloo's own allreduce."""
+"""Data-parallel rows: DDP against torch DDP (overlap on/off, ring), DP against DDP, the
+shared-memory allreduce against gloo's inside DDP, ring and shared-memory bus bandwidth against
+gloo's own allreduce."""
 from __future__ import annotations
 
 import time
@@ -33,6 +34,10 @@ def ddp_overlap_on(rank, world, **parallel):
     return ddp(rank, world, **{**parallel, "overlap": True})
 
 
+def ddp_native(rank, world, **parallel):
+    return ddp(rank, world, **{**parallel, "allreduce": "native"})
+
+
 def dp_replicas(rank, world, **parallel):
     # one process driving 2 replicas with 2 threads on the 2 cores
     return ours_tokens_per_s(gpt_bench_config("dp", parallel={"replicas": 2},
@@ -63,6 +68,10 @@ def _sweep(world: int, kind: str, reps: int) -> dict:
     mesh, comm = Mesh.build(1, world, 1), Comm()
     if kind == "ring":
         fn = lambda t: ring_all_reduce(comm, t, mesh.dp_group)
+    elif kind == "shm":
+        from shardwise.comm.shm import ShmAllReduce
+        fast = ShmAllReduce(comm, mesh.dp_group)
+        fn = lambda t: fast.all_reduce(t, "shm_all_reduce")
     else:
         fn = lambda t: comm.all_reduce(t, mesh.dp_group)
     table = {mb: _busbw(fn, world, mb * 2**20, reps) for mb in SIZES_MB}
@@ -71,6 +80,10 @@ def _sweep(world: int, kind: str, reps: int) -> dict:
 
 def ring_sweep(rank, world, reps=5):
     return _sweep(world, "ring", reps)
+
+
+def shm_sweep(rank, world, reps=5):
+    return _sweep(world, "shm", reps)
 
 
 def gloo_sweep(rank, world, reps=5):
@@ -91,6 +104,9 @@ ROWS = [
         quick_args={"steps": 6}),
     Row("ddp-ring-vs-torch-ddp", ddp, torch_ddp, world=2, args={"bucket_mb": 25.0, "allreduce": "ring"},
         goal="ratio >= 1.0", peer_name="torch DistributedDataParallel"),
+    Row("ddp-shm-vs-native", ddp, ddp_native, world=2, args={"bucket_mb": 25.0, "allreduce": "shm"},
+        goal="effect of the shared-memory allreduce (ratio > 1 means it helps)",
+        peer_name="shardwise DDP, gloo allreduce"),
     Row("ddp-overlap-off-vs-on", ddp, ddp_overlap_on, world=2, args={"bucket_mb": 1.0, "overlap": False},
         goal="effect of overlap (ratio < 1 means overlap helps)", peer_name="shardwise DDP, overlap on"),
     Row("ddp-vs-one-process", ddp, one_process_two_threads, world=2, peer_world=1,
@@ -101,6 +117,8 @@ ROWS = [
         peer_name="shardwise DDP, 2 processes"),
     Row("ring-busbw-w2", ring_sweep, gloo_sweep, world=2, args={}, quick_args={"reps": 3},
         goal="ring >= 0.9x gloo at 16 MB and above", peer_name="gloo all_reduce"),
+    Row("shm-busbw-w2", shm_sweep, gloo_sweep, world=2, args={}, quick_args={"reps": 3},
+        goal="shared memory >= 1.0x gloo at 16 MB", peer_name="gloo all_reduce"),
     Row("ring-busbw-w4", ring_sweep, gloo_sweep, world=4, args={},
         goal="ring >= 0.9x gloo at 16 MB and above", peer_name="gloo all_reduce"),
 ]

@@ -12,13 +12,16 @@ member 0's statistics, which are those of member 0's rows only (plain BatchNorm,
 SyncBatchNorm). In backward, gradients land in flat buckets
 (comm/buckets.py, about ``bucket_mb`` each, last layers first); the moment a bucket's last
 gradient is accumulated its allreduce is launched asynchronously (``overlap``), with the
-backend's own allreduce or shardwise's ring (``allreduce = native | ring``). ``step()`` waits for
+backend's own allreduce, shardwise's ring or, between the ranks of one CPU host, shared memory
+(``allreduce = native | ring | shm | auto``; comm/reducer.py, comm/shm.py: the shared-memory one
+runs in the hook itself, so it overlaps nothing but takes about half gloo's time). ``step()`` waits for
 every bucket, divides by the dp size (mean gradient), then runs the optimizer on each replica.
 ``clip_grad_norm_`` does that waiting first (the gradients are replicated then, so the norm needs
 no further collective) and ``step()`` does not repeat it.
 
 Memory per rank: parameters P, gradients P (the bucket buffers are the ``.grad`` storage, no
-copy), optimizer states (Adam: 2P), plus a half-size buffer per bucket with gradient compression.
+copy), optimizer states (Adam: 2P), plus a half-size buffer per bucket with gradient compression
+and, with the shared-memory allreduce, its (N + 1) x 4 MiB region.
 Traffic per step: one allreduce of all gradients, 2(N-1)/N * 4P bytes per rank in fp32 (half
 with bf16 / fp16 compression), plus the buffers' bytes once per forward.
 
@@ -65,7 +68,7 @@ class DDPStrategy(Strategy):
         p = self.cfg.parallel
         self.overlap, self.find_unused = p.overlap, p.find_unused
         self.compress = DTYPES.get(p.grad_compression)   # None for "none"
-        self.reducer = Reducer(self.comm, self.group, p.allreduce == "ring")
+        self.reducer = Reducer(self.comm, self.group, p.allreduce, self.device)
         self.buckets = GradBuckets(list(self.model.named_parameters()), p.bucket_mb * 2**20,
                                    self._on_ready)
         self.model_buffers = FlatBroadcast(list(self.model.buffers()))
@@ -218,6 +221,6 @@ class DDPStrategy(Strategy):
             "optimizer_states": optimizer_state_bytes(self.optimizer),
             "master_weights": 0,
             "comm_buffers": sum(tensor_bytes([b.extra.get("low")]) for b in self.buckets.buckets)
-            + self.model_buffers.nbytes(),
+            + self.model_buffers.nbytes() + self.reducer.nbytes(),
             "activations_peak": self._act_peak,
         }

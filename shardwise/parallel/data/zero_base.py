@@ -97,7 +97,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         self._init_ledger()                            # transient buffers (zero_ledger.py)
         self._grad_coef = None                         # clipping coefficient of this step
         self._reducing: list[tuple] = []               # (chunk, work, temp, staging, mode, backend)
-        self.collectives = Reducer(comm, self.group, cfg.parallel.allreduce == "ring")
+        self.collectives = Reducer(comm, self.group, cfg.parallel.allreduce, device)
         self._ring = self.collectives.ring
 
     # -- building chunks ------------------------------------------------------------------
