@@ -94,6 +94,10 @@ class ParallelConfig:
                         "CPU host (about half gloo's time); auto = shm where every rank of the "
                         "group is on one x86 CPU host and polls (--comm-wait), else native",
                         ("auto", "native", "ring", "shm"))
+    pp_transport: str = _f("auto", "pipeline sends: native = the backend's send / recv; shm = "
+                           "byte rings in shared memory between the stages of one CPU host; "
+                           "auto = shm where every stage is on one x86 CPU host and polls "
+                           "(--comm-wait), else native", ("auto", "native", "shm"))
     bucket_mb: float = _f(25.0, "DDP / ZeRO gradient bucket size in MB")
     overlap: bool = _f(True, "launch each bucket's reduction during backward (off: after it)")
     find_unused: bool = _f(False, "DDP: tolerate parameters that get no gradient in a step")

@@ -65,14 +65,18 @@ class _Batch:
         self.works = []
 
 
-def post(comm: Comm, group: Group, ops: list[P2POp]) -> list[Work]:
+def post(comm: Comm, group: Group, ops: list[P2POp], transport=None) -> list[Work]:
     """Launch every op of the batch (contiguous tensors only: a receive fills its own tensor);
-    one Work per op, in order, each metered under its op's name."""
+    one Work per op, in order, each metered under its op's name. ``transport``: a
+    comm/shm_p2p.ShmP2P for ``group`` (shared memory between the stages of one host), which
+    then carries every op."""
     for op in ops:
         if op.peer == group.rank:
             raise ValueError(f"pipeline {op.kind} to itself (member {op.peer})")
         if not op.tensor.is_contiguous():
             raise ValueError(f"p2p {op.kind}: tensor not contiguous")
+    if transport is not None:
+        return [transport.post(op.kind, op.tensor, op.peer, op.name) for op in ops]
     if not grouped(group, [op.tensor for op in ops]):
         return [comm.isend(op.tensor, op.peer, group, name=op.name) if op.kind == "send" else
                 comm.irecv(op.tensor, op.peer, group, name=op.name) for op in ops]
@@ -90,14 +94,15 @@ def post(comm: Comm, group: Group, ops: list[P2POp]) -> list[Work]:
     return works
 
 
-def exchange(comm: Comm, group: Group, ops: list[P2POp], wait_sends: bool = True) -> list:
+def exchange(comm: Comm, group: Group, ops: list[P2POp], wait_sends: bool = True,
+             transport=None) -> list:
     """Launch every op of the batch, then wait for its receives (filled on return) and, unless
     ``wait_sends`` is False, its sends. With ``wait_sends=False`` the sends' Works are returned
     still in flight: the caller computes while they drain and waits for them (keeping their
     tensors alive) before the step ends."""
     ops = [op if op.kind == "recv" or op.tensor.is_contiguous() else
            P2POp(op.kind, op.tensor.contiguous(), op.peer, op.name) for op in ops]
-    launched = list(zip(ops, post(comm, group, ops)))
+    launched = list(zip(ops, post(comm, group, ops, transport)))
     for op, w in launched:
         if op.kind == "recv":
             w.wait()
@@ -109,14 +114,15 @@ def exchange(comm: Comm, group: Group, ops: list[P2POp], wait_sends: bool = True
     return sends
 
 
-def send(comm: Comm, group: Group, t: torch.Tensor, peer: int, name: str = ACT) -> None:
+def send(comm: Comm, group: Group, t: torch.Tensor, peer: int, name: str = ACT,
+         transport=None) -> None:
     """Blocking send of one tensor to a neighbouring stage."""
-    exchange(comm, group, [P2POp("send", t, peer, name)])
+    exchange(comm, group, [P2POp("send", t, peer, name)], transport=transport)
 
 
 def recv(comm: Comm, group: Group, shape, peer: int, dtype=torch.float32, device="cpu",
-         name: str = ACT) -> torch.Tensor:
+         name: str = ACT, transport=None) -> torch.Tensor:
     """Blocking receive of one tensor of ``shape`` from a neighbouring stage."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    exchange(comm, group, [P2POp("recv", t, peer, name)])
+    exchange(comm, group, [P2POp("recv", t, peer, name)], transport=transport)
     return t

@@ -72,6 +72,42 @@ def _host() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def _folder(nbytes: int) -> str:
+    """/dev/shm when it has room for ``nbytes`` (a container's is often 64 MB, and touching a
+    page beyond a full tmpfs kills the process with SIGBUS), else the temp dir (page cache)."""
+    for folder in ("/dev/shm", tempfile.gettempdir()):
+        if os.access(folder, os.W_OK):
+            st = os.statvfs(folder)
+            if st.f_bavail * st.f_frsize >= 2 * nbytes:
+                return folder
+    raise RuntimeError(f"shared memory: neither /dev/shm nor {tempfile.gettempdir()} has "
+                       f"{2 * nbytes >> 20} MiB free; fix: free space there, or use the "
+                       "backend's collectives (--allreduce native / --pp-transport native)")
+
+
+def map_shared(comm: Comm, group: Group, nbytes: int, prefix: str) -> torch.Tensor:
+    """``nbytes`` of zeroed memory that every member of ``group`` maps (collective): member 0
+    creates the file, all map it, and its name is unlinked once all have, so nothing is left
+    behind whatever happens to the ranks later."""
+    path = None
+    if group.rank == 0:
+        try:
+            fd, path = tempfile.mkstemp(prefix=prefix, dir=_folder(nbytes))
+            os.ftruncate(fd, nbytes)
+            os.close(fd)
+        except (OSError, RuntimeError) as exc:   # every member must hear of it, not hang
+            path = RuntimeError(str(exc))
+    path = comm.all_gather_object(path, group)[0]
+    if isinstance(path, RuntimeError):
+        raise path
+    try:
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        comm.barrier(group)          # every member has it mapped: the name can go
+        if group.rank == 0:
+            os.unlink(path)
+
+
 class ShmAllReduce:
     """Sum-allreduce of float CPU tensors among the members of ``group`` on this host."""
 
@@ -79,19 +115,7 @@ class ShmAllReduce:
         self.comm, self.group, self.chunk = comm, group, chunk_bytes
         n, r = group.size, group.rank
         self.nbytes = (n + 1) * chunk_bytes + n * _LINE
-        path = None
-        if r == 0:
-            folder = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-            fd, path = tempfile.mkstemp(prefix="shardwise-allreduce-", dir=folder)
-            os.ftruncate(fd, self.nbytes)
-            os.close(fd)
-        path = comm.all_gather_object(path, group)[0]
-        try:
-            self.buf = torch.from_file(path, shared=True, size=self.nbytes, dtype=torch.uint8)
-        finally:
-            comm.barrier(group)          # every member has it mapped: the name can go
-            if r == 0:
-                os.unlink(path)
+        self.buf = map_shared(comm, group, self.nbytes, "shardwise-allreduce-")
         self.counters = self.buf[(n + 1) * chunk_bytes:].view(torch.int64)[::_LINE // 8]
         self.mine = self.counters[r]
         self.generation = 0

@@ -49,6 +49,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.comm.reducer import Reducer
+from shardwise.comm.shm_p2p import neighbours, transport_for
 from shardwise.data import batch as batches
 from shardwise.presets import zero_stage
 from shardwise.parallel.base import Strategy
@@ -104,8 +105,11 @@ class HybridStrategy(PipelineState, PipelineZero1, Strategy):
         self._uncounted = {model.global_name(n) for n in copies}   # the first stage counts them
         self.actions = sched.build(p.schedule, mesh.pp, p.num_microbatches,
                                    self.v)[mesh.pp_rank]
+        transport = transport_for(self.comm, mesh.pp_group, self.device, p.pp_transport,
+                                  pairs=neighbours(mesh.pp))
         self.executor = PipelineExecutor(model, self.comm, mesh.pp_group, self.loss_fn,
-                                         self.device, autocast=self.autocast)
+                                         self.device, autocast=self.autocast,
+                                         transport=transport)
         self.model = model.to(self.device)
         # 3. data parallel over dp: stage 0 is the DDP component (buckets, overlap with the
         # last micro-batch's backward, ring, compression); stage 1 the flat ZeRO-1 below
@@ -279,8 +283,8 @@ class HybridStrategy(PipelineState, PipelineZero1, Strategy):
         super().load_state_dict(state)    # copies into the flat views (and so the ZeRO-1 slice)
 
     def memory_ledger(self) -> dict[str, int]:
-        if self.dp is None:
-            return self._zero1_ledger()
-        ledger = self.dp.memory_ledger()
+        ledger = self._zero1_ledger() if self.dp is None else self.dp.memory_ledger()
         ledger.pop("activations_peak", None)  # the executor runs the stage itself: not measured
+        transport = self.executor.transport  # the shared-memory rings this stage touches
+        ledger["comm_buffers"] += transport.local_bytes if transport is not None else 0
         return ledger

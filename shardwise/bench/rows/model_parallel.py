@@ -29,10 +29,15 @@ def ours_pp(rank, world, schedule):
     return ours_tokens_per_s(_cfg("pp", pp=world, schedule=schedule, num_microbatches=MICRO), world)
 
 
-def ours_pp_multi(rank, world, schedule, v):
+def ours_pp_multi(rank, world, schedule, v, pp_transport="auto"):
     extra = {"virtual_stages": v} if v > 1 else {}
     return ours_tokens_per_s(_cfg("pp", pp=world, schedule=schedule, num_microbatches=MICRO,
-                                  **extra), world)
+                                  pp_transport=pp_transport, **extra), world)
+
+
+def ours_pp_gloo(rank, world, schedule, v, **_):
+    """The same pipeline with the backend's send / recv (``--pp-transport native``)."""
+    return ours_pp_multi(rank, world, schedule, v, pp_transport="native")
 
 
 def torch_pipelining_multi(rank, world, schedule, v):
@@ -178,6 +183,14 @@ ROWS = [
     Row("mp-pp-zbh1-vs-torch", ours_pp_multi, torch_pipelining_multi, world=2,
         args={"schedule": "zb-h1", "v": 1}, goal="ratio >= 1.0",
         peer_name="torch.distributed.pipelining ScheduleInterleavedZeroBubble (1 stage per rank)"),
+    Row("mp-pp-interleaved-shm-vs-native", ours_pp_multi, ours_pp_gloo, world=2,
+        args={"schedule": "interleaved-1f1b", "v": 2, "pp_transport": "shm"},
+        goal="effect of the shared-memory sends (ratio > 1 means they help)",
+        peer_name="shardwise interleaved 1F1B over gloo's send / recv"),
+    Row("mp-pp-zbh1-shm-vs-native", ours_pp_multi, ours_pp_gloo, world=2,
+        args={"schedule": "zb-h1", "v": 1, "pp_transport": "shm"},
+        goal="effect of the shared-memory sends (ratio > 1 means they help)",
+        peer_name="shardwise ZB-H1 over gloo's send / recv"),
     Row("mp-tp-vs-dtensor", ours_tp, dtensor_tp, world=2, goal="ratio >= 1.0",
         peer_name="DTensor ColwiseParallel / RowwiseParallel"),
     Row("mp-bubble", bubble_table, None, world=4, goal="measured bubble vs (p-1)/(m+p-1)"),

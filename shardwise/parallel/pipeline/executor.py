@@ -24,7 +24,8 @@ and W is the whole backward. Activations stay until W.
 
 Sends do not block: their Works stay in flight while the stage computes the next action and
 are waited at the end of the step (comm/p2p.py); receives are waited before the action that
-uses them.
+uses them. Between the stages of one CPU host they go through shared memory (``transport``,
+comm/shm_p2p.py, ``parallel.pp_transport``), with the same order and the same waits.
 
 Records: ``(op, mb, t0, t1)`` per action with wall-clock times (time.time(), comparable between
 processes of one host), and each action's chunk in ``chunks``, for timeline.py. On CUDA the
@@ -91,8 +92,9 @@ class PipelineExecutor:
     ``width`` is the residual stream's C, so a micro-batch's activation is (b, T, C)."""
 
     def __init__(self, stage: nn.Module, comm: Comm, pp_group: Group, loss_fn, device,
-                 autocast=contextlib.nullcontext):
+                 autocast=contextlib.nullcontext, transport=None):
         self.stage, self.comm, self.group = stage, comm, pp_group
+        self.transport = transport  # comm/shm_p2p.ShmP2P between stages of one host, or None
         self.chunks = list(stage.chunks) if hasattr(stage, "chunks") else [stage]
         self.autocast = autocast    # mixed precision: the stage runs under it, activations go fp32
         self.loss_fn, self.device = loss_fn, device
@@ -214,7 +216,8 @@ class PipelineExecutor:
                 self._grads[key] = buf
                 ops.append(P2POp("recv", buf, peer, GRAD))
         # receives are waited (the next action computes on them); sends drain while it does
-        self._in_flight += exchange(self.comm, self.group, ops, wait_sends=False)
+        self._in_flight += exchange(self.comm, self.group, ops, wait_sends=False,
+                                    transport=self.transport)
         for a in batch:
             if a.op == "RECV_F":
                 self._inputs[(a.chunk, a.mb)].requires_grad_(True)
@@ -242,8 +245,9 @@ def evaluate_stages(ex: PipelineExecutor, x, width: int):
     for c, chunk in enumerate(ex.chunks):
         h = ids if ex._first(c) else p2p.recv(ex.comm, ex.group, (*ids.shape, width),
                                               (ex.index - 1) % p, device=ex.device,
-                                              name="pp_eval")
+                                              name="pp_eval", transport=ex.transport)
         out = chunk(h, inputs)
         if not ex._last(c):
-            p2p.send(ex.comm, ex.group, out, (ex.index + 1) % p, name="pp_eval")
+            p2p.send(ex.comm, ex.group, out, (ex.index + 1) % p, name="pp_eval",
+                     transport=ex.transport)
     return out
