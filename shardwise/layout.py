@@ -114,12 +114,12 @@ WHERE_READ = {
     "offload": "--zero-stage 1, 2 or 3 (without --pp)", "offload_dir": "--offload disk",
     "bucket_mb": "--zero-stage 0, or 1-2 without --pp",
     "overlap": "--zero-stage 0, or any stage without --pp",
-    "allreduce": "ddp, zeroN, tp, pp or 3d", "find_unused": "--zero-stage 0 (without --pp)",
+    "allreduce": "ddp, zeroN, tp, pp or 3d (shm: --zero-stage 0, whose all-reduce it serves)", "find_unused": "--zero-stage 0 (without --pp)",
     "grad_compression": "--zero-stage 0",
     "zero3_units": "--zero-stage 3 (without --pp)", "zero_stage": "ddp, zeroN, tp, pp or 3d",
     "zero1_over_dp": "--pp 2 or more (else --zero-stage 1)", "replicas": "--strategy dp",
     "num_microbatches": "--pp 2 or more", "schedule": "--pp 2 or more",
-    "stage_layers": "--pp 2 or more",
+    "stage_layers": "--pp 2 or more", "pp_transport": "--pp 2 or more",
 }
 
 

@@ -55,6 +55,10 @@ BAD = [
      "drop --zero3-units"),
     (["--strategy", "ddp", "--num-microbatches", "8"], "parallel.num_microbatches = 8",
      "--pp 2 or more"),
+    (["--strategy", "zero2", "--allreduce", "shm"], "parallel.allreduce = 'shm'",
+     "--zero-stage 0, whose all-reduce it serves"),
+    (["--strategy", "ddp", "--pp-transport", "shm"], "parallel.pp_transport = 'shm'",
+     "--pp 2 or more"),
     # non-finite numbers
     (["--weight-decay", "nan"], "train.weight_decay = nan", "give a number"),
     (["--lr", "inf"], "train.lr = inf", "give a number"),

@@ -3,7 +3,7 @@ pure, so the launcher runs it before any process starts. Which stage reads what:
 
     bucket_mb          stage 0; stages 1-2 without a pipeline (stage 3 groups by units)
     overlap            stage 0; any stage without a pipeline
-    allreduce          every stage (native or ring reducer)
+    allreduce          every stage (native or ring reducer); shm only stage 0 (its allreduce)
     find_unused        stage 0 without a pipeline
     grad_compression   stage 0
     zero3_units        stage 3 without a pipeline
@@ -21,7 +21,8 @@ def reads(cfg: Config, stage: int) -> dict[str, bool]:
     composed = p.strategy in COMPOSED
     flat = composed and p.pp == 1            # the component itself, not under a pipeline
     return {
-        "zero_stage": composed, "allreduce": composed,
+        "zero_stage": composed,
+        "allreduce": composed and (p.allreduce != "shm" or stage == 0),   # shm: all-reduce only
         "bucket_mb": composed and stage <= 2 and (p.pp == 1 or stage == 0),
         "overlap": composed and (p.pp == 1 or stage == 0),
         "find_unused": flat and stage == 0, "grad_compression": composed and stage == 0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shardwise.config import Config, ConfigError
 
-FIELDS = ("num_microbatches", "schedule", "stage_layers")
+FIELDS = ("num_microbatches", "schedule", "stage_layers", "pp_transport")
 # what to change so that a refused setting is read (validate.check_ignored's fix)
 WHERE_READ = {"virtual_stages": "--pp 2 or more with --schedule interleaved-1f1b"}
 
