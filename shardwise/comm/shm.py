@@ -72,6 +72,21 @@ def _host() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def poll(done, timeout_s: float, failure) -> float:
+    """Call ``done()`` until it is true, yielding the core between calls and sleeping 50 us
+    once 1 ms has passed; after ``timeout_s`` raise ``failure()``. Returns the seconds waited."""
+    t0 = time.monotonic()
+    while not done():
+        waited = time.monotonic() - t0
+        if waited > timeout_s:
+            raise failure()
+        if waited > 1e-3:
+            time.sleep(5e-5)
+        else:
+            os.sched_yield()
+    return time.monotonic() - t0
+
+
 def _folder(nbytes: int) -> str:
     """/dev/shm when it has room for ``nbytes`` (a container's is often 64 MB, and touching a
     page beyond a full tmpfs kills the process with SIGBUS), else the temp dir (page cache)."""
@@ -129,18 +144,14 @@ class ShmAllReduce:
     def _barrier(self, name: str) -> None:
         self.generation += 1
         self.mine.fill_(self.generation)
-        t0 = time.monotonic()
-        while not bool((self.counters >= self.generation).all()):
-            waited = time.monotonic() - t0
-            if waited > self.timeout_s:
-                late = (self.counters < self.generation).nonzero().flatten().tolist()
-                raise CollectiveError(name, TimeoutError(
-                    f"shared-memory allreduce: group member(s) {late} did not arrive within "
-                    f"{self.timeout_s:.0f} s"))
-            if waited > 1e-3:
-                time.sleep(5e-5)
-            else:
-                os.sched_yield()
+        gen = self.generation
+
+        def late() -> CollectiveError:
+            who = (self.counters < gen).nonzero().flatten().tolist()
+            return CollectiveError(name, TimeoutError(
+                f"shared-memory allreduce: group member(s) {who} did not arrive within "
+                f"{self.timeout_s:.0f} s"))
+        poll(lambda: bool((self.counters >= gen).all()), self.timeout_s, late)
 
     def all_reduce(self, t: torch.Tensor, name: str) -> None:
         """``t`` = the group's sum of ``t``, in place (contiguous, a float dtype)."""

@@ -27,8 +27,6 @@ receiving rings.
 from __future__ import annotations
 
 import datetime
-import os
-import time
 from collections import deque
 
 import torch
@@ -179,21 +177,16 @@ class ShmP2P:
 
     def wait_for(self, op: _Op) -> None:
         """Progress everything until ``op`` is done (its blocked time metered)."""
-        t0 = time.monotonic()
-        if not op.done:
-            self._wait(op, t0)
-            self.comm.meter.add_time(op.name, time.monotonic() - t0)
+        if op.done:
+            return
 
-    def _wait(self, op: _Op, t0: float) -> None:
-        while not op.done:
-            if self.progress():
-                continue
-            waited = time.monotonic() - t0
-            if waited > self.timeout_s:
-                raise CollectiveError(op.name, TimeoutError(
-                    f"shared-memory {op.kind} with pipeline member {op.peer}: not done within "
-                    f"{self.timeout_s:.0f} s ({op.moved} of {op.bytes.numel()} bytes)"))
-            if waited > 1e-3:
-                time.sleep(5e-5)
-            else:
-                os.sched_yield()
+        def done() -> bool:      # progress first: a wait moves every pending transfer
+            while self.progress() and not op.done:
+                pass
+            return op.done
+
+        def failure() -> CollectiveError:
+            return CollectiveError(op.name, TimeoutError(
+                f"shared-memory {op.kind} with pipeline member {op.peer}: not done within "
+                f"{self.timeout_s:.0f} s ({op.moved} of {op.bytes.numel()} bytes)"))
+        self.comm.meter.add_time(op.name, shm.poll(done, self.timeout_s, failure))
