@@ -10,18 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shardwise.calibrate import (Calibration, Compute, calibrate, measure_allreduce,  # noqa: F401
+from shardwise.calibrate import (Calibration, Compute, batch_of, calibrate,  # noqa: F401
                                  measure_compute, model_spec, processes)
 from shardwise.config import Config, ConfigError, flag_of, section_fields
-from shardwise.planner import Batch, Estimate, Layout, Plan, PlanError, plan
+from shardwise.planner import Estimate, Layout, Plan, PlanError, plan
 from shardwise.planner.units import fmt_bytes, fmt_seconds
-
-
-def batch_of(cfg: Config) -> Batch:
-    """The global batch, precision and optimizer of ``cfg`` in the planner's terms."""
-    precision = "fp32" if cfg.memory.mixed_precision == "no" else cfg.memory.mixed_precision
-    optimizer = "sgd" if cfg.train.optimizer == "sgd" else "adam"
-    return Batch(cfg.train.batch_size, precision=precision, optimizer=optimizer)
 
 
 def to_config(layout: Layout, cfg: Config) -> tuple[Config, dict]:

@@ -8,16 +8,12 @@
   relaunch) in every rank of a forked world at once (on CPU the ranks share cores and the
   memory bus, so a rank timed alone is faster than one of a busy world); and once more in one
   process with all threads, for the one-process alternative;
-- memory bandwidth (a large copy), which bounds the planner's optimizer step;
-- allreduce: a forked gloo world of the local process count (``shardwise.testing.run_world``),
-  ``Comm.all_reduce`` of 1 KiB and 4 MiB, fitted to the ring's alpha-beta model
-  ``2 (N-1) alpha + 2 (N-1)/N K / bw``: ``bw`` is the bus bandwidth (``intra_bw``), ``alpha``
-  the latency per ring step; then each rank computes for a few milliseconds and allreduces
-  1 MiB, twenty times: what that costs beyond the compute alone and the alpha-beta time of
-  1 MiB is ``collective_overhead`` (the ranks' arrival skew and waking gloo's threads, which every
-  collective in training pays after the compute before it: about 3 ms here, 15x the idle
-  figure, when ranks block; much less when they poll, ``train.comm_wait``). The probe waits as
-  training will (``runtime.spins``).
+- memory bandwidth (a large copy), and the configured optimizer's step on the model (PyTorch's
+  CPU AdamW reaches about half the copy's rate here), for the planner's optimizer step;
+- the links (shardwise/calibrate_links.py): gloo's allreduce, the shared-memory allreduce
+  data parallelism takes where it applies, and what a collective costs after compute
+  (``collective_overhead``), in a forked world of the local process count, which also times
+  each rank's compute with every rank computing.
 """
 from __future__ import annotations
 
@@ -28,14 +24,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from shardwise.calibrate_links import measure_links
 from shardwise.config import Config, ConfigError
-from shardwise.planner import Hardware, ModelSpec
+from shardwise.planner import Batch, Hardware, ModelSpec
 from shardwise.planner.units import fmt_bytes
-
-SMALL, MID, LARGE = 256, 1 << 18, 1 << 20
-"""Allreduce probe sizes in fp32 elements: 1 KiB (latency), 1 MiB (after compute: a layer's
-activations, as tensor parallelism reduces them) and 4 MiB (bandwidth)."""
-
 
 @dataclass(frozen=True)
 class Compute:
@@ -50,6 +42,9 @@ class Compute:
     """Seconds per block per micro-batch that do not grow with the batch (the fit's intercept / L)."""
     mem_bw: float
     """Bytes/s of a large tensor copy (read + write)."""
+    optimizer_bw: float = 0.0
+    """Bytes/s the configured optimizer's step reaches on the model (planner.cost.optimizer_bytes
+    per parameter over its median time); 0: not measured."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +68,9 @@ class Calibration:
     """How long the calibration took."""
     collective_overhead: float = 0.0
     """Seconds a collective costs beyond the alpha-beta model when it follows compute."""
+    shared_allreduce_bw: float = 0.0
+    """Bus bandwidth of data parallelism's allreduce over shared memory, bytes/s (0 where it
+    takes gloo's: another host, ranks that block, ``--allreduce native`` or ``ring``)."""
 
     def hardware(self, processes: int) -> Hardware:
         """``Hardware.custom`` for ``processes`` ranks on this machine (1: the whole process)."""
@@ -87,7 +85,8 @@ class Calibration:
             host_bw=c.mem_bw / 2, host_mem_bw=c.mem_bw, host_memory_bytes=_ram_bytes(),
             reserved_bytes=0 if cpu else 2**30, name=f"{self.device} (calibrated)",
             comm_overlap=0.0 if cpu else 1.0,   # CPU ranks reduce on the cores they compute on
-            collective_overhead=self.collective_overhead,
+            collective_overhead=self.collective_overhead, optimizer_bw=c.optimizer_bw,
+            allreduce_bw=self.shared_allreduce_bw if cpu and processes > 1 else 0.0,
             collective_copies=1.0 if cpu else 0.0,   # gloo's reduce-scatter / all-gather copies
             compute_lanes=max(1, (os.cpu_count() or 1) // max(1, c.threads)) if cpu else 0,
             interconnect="shm" if cpu else "gloo")
@@ -99,7 +98,7 @@ class Calibration:
                  f"{r.matmul_flops / 1e9:.1f} GFLOP/s per rank ({r.threads} thread(s), "
                  f"{self.processes} ranks), GPT forward+backward {r.model_flops / 1e9:.1f} GFLOP/s"
                  f" + {r.block_overhead * 1e3:.2f} ms per block and micro-batch, memory "
-                 f"{r.mem_bw / 1e9:.1f} GB/s",
+                 f"{r.mem_bw / 1e9:.1f} GB/s, optimizer step {r.optimizer_bw / 1e9:.1f} GB/s",
                  f"one process with {w.threads} thread(s): matmul {w.matmul_flops / 1e9:.1f} "
                  f"GFLOP/s, GPT {w.model_flops / 1e9:.1f} GFLOP/s + {w.block_overhead * 1e3:.2f} ms"
                  f" per block and micro-batch"]
@@ -107,8 +106,12 @@ class Calibration:
             lines.append(f"allreduce over {self.processes} processes (gloo): bus bandwidth "
                          f"{self.allreduce_bw / 1e9:.2f} GB/s, latency "
                          f"{self.allreduce_latency * 1e6:.0f} us per ring step, "
-                         f"{self.collective_overhead * 1e3:.2f} ms per call after compute; memory per "
-                         f"process {fmt_bytes(self.hardware(self.processes).memory_bytes)}")
+                         f"{self.collective_overhead * 1e3:.2f} ms per call after compute; "
+                         + (f"data parallelism's allreduce over shared memory "
+                            f"{self.shared_allreduce_bw / 1e9:.2f} GB/s; "
+                            if self.shared_allreduce_bw else "")
+                         + f"memory per process "
+                         f"{fmt_bytes(self.hardware(self.processes).memory_bytes)}")
         return "\n".join(lines)
 
 
@@ -116,14 +119,16 @@ def _ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _timed(fn, device: torch.device, reps: int, budget: float = 0.6) -> float:
-    """Median seconds of ``fn()`` after one untimed call (synchronising a GPU, never in comm);
-    fewer repetitions when they would take more than ``budget`` seconds."""
+def _timed(fn, device: torch.device, reps: int, budget: float = 0.6, warm: bool = True) -> float:
+    """Median seconds of ``fn()`` after one untimed call (``warm``; synchronising a GPU, never
+    in comm); fewer repetitions when they would take more than ``budget`` seconds."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    first = time.perf_counter() - t0
+    first = budget / reps
+    if warm:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        first = time.perf_counter() - t0
     times = []
     for _ in range(max(1, min(reps, int(budget / max(first, 1e-9))))):
         t0 = time.perf_counter()
@@ -133,18 +138,29 @@ def _timed(fn, device: torch.device, reps: int, budget: float = 0.6) -> float:
     return statistics.median(times)
 
 
-def measure_compute(cfg: Config, device: torch.device, threads: int) -> Compute:
-    """Matmul FLOP/s, the GPT's fitted rate and per-block overhead, and copy bandwidth."""
+def measure_compute(cfg: Config, device: torch.device, threads: int, agree=None,
+                    budget: float = 1.5) -> Compute:
+    """Matmul FLOP/s, the GPT's fitted rate and per-block overhead, and copy bandwidth.
+
+    The GPT is timed at one row and at ``rows`` rows, alternately (so that a slow spell of the
+    machine falls on both points alike, not on one end of the fit), as many pairs as fit in
+    ``budget`` seconds (3 to 9), and the median of each point is fitted. ``agree(x)`` (in a
+    forked world: the largest ``x`` over the ranks, which is also a barrier) makes every rank
+    take the same number of pairs and start each timing together, as training computes: all
+    ranks at once."""
     from shardwise.models import build_model, lm_loss
+    agree = agree or (lambda x: x)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         n = 1024 if device.type == "cuda" else 512
         a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-        matmul = 2 * n**3 / _timed(lambda: a @ b, device, 5)
+        agree(0.0)
+        matmul = 2 * n**3 / _timed(lambda: a @ b, device, 9)
         src = torch.randn(8 << 20, device=device)          # 32 MiB
         dst = torch.empty_like(src)
-        mem_bw = 2 * src.nelement() * 4 / _timed(lambda: dst.copy_(src), device, 5)
+        agree(0.0)
+        mem_bw = 2 * src.nelement() * 4 / _timed(lambda: dst.copy_(src), device, 7)
         model = build_model(replace(cfg.model, dropout=0.0), cfg.train.seed).to(device)
         spec = model_spec(cfg)
 
@@ -152,11 +168,18 @@ def measure_compute(cfg: Config, device: torch.device, threads: int) -> Compute:
             x = torch.randint(0, spec.vocab, (rows, spec.seq_len), device=device)
             lm_loss(model(x), x).backward()
 
-        t1 = _timed(lambda: step(1), device, 3)
+        t1 = agree(_timed(lambda: step(1), device, 1))
         # the second point: a batch large enough to weigh against the fixed costs of small
         # models, small enough to keep the calibration to seconds
         rows = max(2, min(cfg.train.batch_size, 16)) if t1 < 0.05 else 4 if t1 < 0.3 else 2
-        t2 = _timed(lambda: step(rows), device, 3)
+        pair = agree(_timed(lambda: step(rows), device, 1)) + t1
+        ones, manys = [], []
+        for _ in range(max(3, min(9, int(budget / max(pair, 1e-9))))):
+            agree(0.0)
+            ones.append(_timed(lambda: step(1), device, 1, warm=False))
+            agree(0.0)
+            manys.append(_timed(lambda: step(rows), device, 1, warm=False))
+        t1, t2 = statistics.median(ones), statistics.median(manys)
         # t(b) = c0 + b * per_row; on a busy machine the two points can disagree, so the
         # intercept is kept within [0, 3/4 of either point], and the model no faster than the
         # matmul, the slope refitted through t2
@@ -166,85 +189,23 @@ def measure_compute(cfg: Config, device: torch.device, threads: int) -> Compute:
         c0 = max(0.0, t2 - rows * per_row)
         model_flops = flops_row / per_row
         overhead = c0 / spec.layers
+        optimizer_bw = _optimizer_rate(cfg, model, device, agree)
     finally:
         torch.set_num_threads(before)
-    return Compute(threads, matmul, model_flops, overhead, mem_bw)
+    return Compute(threads, matmul, model_flops, overhead, mem_bw, optimizer_bw)
 
 
-def _allreduce_probe(rank: int, world: int, reps: tuple[int, int], cfg: Config | None = None,
-                     threads: int = 1) -> dict:
-    """Median seconds of an allreduce of SMALL and LARGE fp32 elements (one forked rank); with
-    ``cfg``, then this rank's compute, measured while every other rank measures too (so the
-    figure includes the ranks' contention for cores and memory bandwidth)."""
-    from shardwise.comm.collectives import Comm
-    from shardwise.mesh import Mesh
-    from shardwise.runtime import spins
-    torch.set_num_threads(threads)      # what each rank will have, so it waits as training will
-    wait = cfg.train.comm_wait if cfg is not None else "auto"
-    comm = Comm(spin=spins(wait, torch.device("cpu"), world))
-    group = Mesh.build(1, world, 1).world
-    out = {}
-    for numel, n in zip((SMALL, LARGE), reps):
-        t = torch.ones(numel)
-        comm.all_reduce(t, group)                           # warm-up (connections, buffers)
-        times = []
-        for _ in range(n):
-            comm.barrier(group)
-            t0 = time.perf_counter()
-            comm.all_reduce(t, group)
-            times.append(time.perf_counter() - t0)
-        out[numel] = statistics.median(times)
-    out["after_compute"] = _after_compute(comm, group)
-    if cfg is not None:
-        comm.barrier(group)
-        out["compute"] = measure_compute(cfg, torch.device("cpu"), threads)
-    return out
-
-
-def _after_compute(comm, group, reps: int = 20) -> float:
-    """Seconds a MID-element allreduce adds right after a few milliseconds of compute, beyond
-    the compute itself (module docstring)."""
-    a = torch.randn(384, 384)
-
-    def work():
-        for _ in range(3):
-            a @ a
-    work()
-    comm.barrier(group)
-    alone = []
-    for _ in range(reps // 2):
-        t0 = time.perf_counter()
-        work()
-        alone.append(time.perf_counter() - t0)
-    t = torch.ones(MID)
-    comm.barrier(group)
-    both = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        work()
-        comm.all_reduce(t, group)
-        both.append(time.perf_counter() - t0)
-    return statistics.median(both) - statistics.median(alone)
-
-
-def measure_allreduce(world: int, cfg: Config | None = None, threads: int = 1):
-    """(bus bandwidth bytes/s, seconds per ring step, slowest rank's Compute or None, seconds a
-    collective costs after compute) of ``Comm.all_reduce`` over ``world`` forked CPU ranks
-    (with ``cfg``: compute measured in all ranks at once)."""
-    from shardwise.testing import run_world
-    if world < 2:
-        return 0.0, 0.0, None, 0.0
-    per_rank = run_world(_allreduce_probe, world, (30, 10), cfg, threads, timeout=120)
-    small = max(r[SMALL] for r in per_rank)
-    large = max(r[LARGE] for r in per_rank)
-    steps = 2 * (world - 1)
-    bw = steps / world * (LARGE - SMALL) * 4 / max(large - small, 1e-9)
-    computes = [r["compute"] for r in per_rank if "compute" in r]
-    slowest = min(computes, key=lambda c: c.model_flops) if computes else None
-    alpha = small / steps
-    model = steps * alpha + steps / world * MID * 4 / bw      # the alpha-beta time of MID
-    overhead = max(0.0, max(r["after_compute"] for r in per_rank) - model)
-    return bw, alpha, slowest, overhead
+def _optimizer_rate(cfg: Config, model: torch.nn.Module, device: torch.device, agree) -> float:
+    """Bytes/s of the configured optimizer's step on ``model`` (its gradients are those of the
+    timed backwards): the planner's bytes per parameter over the median of 5 steps after the
+    one that creates the states."""
+    from shardwise.api import optimizer_factory
+    from shardwise.planner.cost import optimizer_bytes
+    params = [p for p in model.parameters() if p.grad is not None]
+    opt = optimizer_factory(cfg)(params)
+    agree(0.0)
+    seconds = _timed(opt.step, device, 5, budget=1.0)
+    return optimizer_bytes(batch_of(cfg)) * sum(p.numel() for p in params) / seconds
 
 
 def processes(cfg: Config) -> int:
@@ -262,20 +223,20 @@ def calibrate(cfg: Config) -> Calibration:
     n = processes(cfg)
     device = pick_device(cfg.train.device, 0)
     if device.type == "cuda":
-        bw, latency, _, overhead = measure_allreduce(n)
-        overhead = 0.0      # NCCL on GPUs: launches are microseconds, inside the latency
+        links = replace(measure_links(n), overhead=0.0, shared_bw=0.0)
+        # (NCCL on GPUs: launches are microseconds, inside the latency; no shared memory)
         whole = measure_compute(cfg, device, torch.get_num_threads())
         per_rank, memory = whole, torch.cuda.get_device_properties(device).total_memory
     else:
         threads = int(os.environ.get("OMP_NUM_THREADS", "1")) if n > 1 else torch.get_num_threads()
         # on CPU the ranks share the cores and the memory bus: time each rank's compute while
         # all ranks run at once, in the same forked world that measures the allreduce
-        bw, latency, per_rank, overhead = measure_allreduce(n, cfg, threads)
+        links = measure_links(n, cfg, threads, measure_compute)
         whole = measure_compute(cfg, device, torch.get_num_threads())
-        per_rank = per_rank or whole
+        per_rank = links.compute or whole
         memory = _ram_bytes()
-    return Calibration(device.type, n, per_rank, whole, bw, latency, memory,
-                       time.perf_counter() - t0, overhead)
+    return Calibration(device.type, n, per_rank, whole, links.bw, links.alpha, memory,
+                       time.perf_counter() - t0, links.overhead, links.shared_bw)
 
 
 
@@ -292,3 +253,10 @@ def model_spec(cfg: Config) -> ModelSpec:
     return ModelSpec(m.n_layer, m.n_embd, m.n_head, m.block_size, m.vocab_size,
                      tied_embeddings=False, fused_attention=True,
                      name=f"gpt L={m.n_layer} h={m.n_embd}")
+
+
+def batch_of(cfg: Config) -> Batch:
+    """The global batch, precision and optimizer of ``cfg`` in the planner's terms."""
+    precision = "fp32" if cfg.memory.mixed_precision == "no" else cfg.memory.mixed_precision
+    optimizer = "sgd" if cfg.train.optimizer == "sgd" else "adam"
+    return Batch(cfg.train.batch_size, precision=precision, optimizer=optimizer)

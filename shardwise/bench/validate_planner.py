@@ -1,6 +1,6 @@
 """The planner against this machine: predicted vs measured memory per rank and step time.
 
-    python -m shardwise.bench.validate_planner [--steps 10] [--only ddp,zero2]
+    python -m shardwise.bench.validate_planner [--steps 10] [--reps 3] [--only ddp,zero2]
 
 For each strategy shardwise has here (``shardwise.parallel.available()``), the benchmark GPT
 (``shardwise.bench.harness.gpt_bench_config``: 4 layers, width 256, seq 128, batch 8, fp32 AdamW)
@@ -8,8 +8,10 @@ trains briefly in a forked gloo world (``shardwise.testing.run_world``). Rank by
 strategy's ``memory_ledger()`` gives the bytes it holds by category; the fullest rank is
 compared with the planner's ``estimate()`` for the same layout (the planner also reports its
 fullest device), on the Hardware that ``shardwise.autoplan.calibrate`` measures for that world
-size (matmul, GPT forward+backward fit, copy bandwidth, gloo allreduce). Goals (issue 7): memory
-within 10% per category, step time within 25%.
+size (matmul, GPT forward+backward fit, copy bandwidth, gloo's and data parallelism's
+allreduce) around its runs: ``--reps`` runs (3), each between two calibrations, medians of
+both sides (``Calibrations``: this machine's speed drifts within a minute). Goals (issue 7): memory within
+10% per category, step time within 25%.
 
 Writes shardwise/bench/results/planner_validation.json and planner_validation.md.
 """
@@ -19,6 +21,7 @@ import argparse
 import tempfile
 import json
 import os
+import statistics
 import time
 from dataclasses import replace
 
@@ -104,12 +107,45 @@ def _gap(pred: float, meas: float) -> float | None:
     return (pred - meas) / meas
 
 
-def _calibrated(cfg, world: int, hardware: dict):
-    """The calibration of ``world`` processes on this machine (measured once, kept)."""
-    if world not in hardware:
+class Calibrations:
+    """The calibrations around the runs. This machine's speed drifts within tens of seconds (a
+    shared VM: one process timing the same forward+backward read 146-181 ms in consecutive 5 s
+    windows, and a world's calibration read 50% slower for 20 s), so every run sits between
+    two calibrations of its world, and a strategy is predicted from the median of those around
+    its runs (``validate_one``). The calibration after one run serves as the one before the
+    next run of that world when nothing ran in between."""
+
+    def __init__(self):
+        self.taken: dict[int, list] = {}
+        self._after: dict[int, object] = {}
+
+    def _take(self, cfg, world: int):
         cal_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc_per_node=world))
-        hardware[world] = autoplan.calibrate(cal_cfg)
-    return hardware[world]
+        cal = autoplan.calibrate(cal_cfg)
+        self.taken.setdefault(world, []).append(cal)
+        return cal
+
+    def before(self, cfg, worlds) -> dict:
+        """{world: its calibration just before the run} (the last run's after, or a new one)."""
+        ready = {w: self._after[w] for w in worlds if w in self._after}
+        return {w: ready.get(w) or self._take(cfg, w) for w in worlds}
+
+    def after(self, cfg, worlds) -> dict:
+        """{world: a calibration just after the run}; it is the next run's before."""
+        self._after = {w: self._take(cfg, w) for w in worlds}
+        return self._after
+
+    def latest(self) -> dict:
+        return {w: cals[-1] for w, cals in self.taken.items()}
+
+
+def _hardware(cals: dict, world: int, computing: int):
+    """The planner's Hardware of a run on ``world`` ranks (``computing`` of them computing)
+    from ``cals`` ({world: Calibration})."""
+    hw = cals[world].hardware(world)
+    if computing != world:
+        hw = _computing_on(hw, cals[computing].hardware(computing))
+    return hw
 
 
 def _computing_on(hw, compute_hw):
@@ -120,26 +156,35 @@ def _computing_on(hw, compute_hw):
     compute (``collective_overhead``: the workers' arrival skew; the ps task waits idle)."""
     return replace(hw, peak_flops=compute_hw.peak_flops, efficiency=compute_hw.efficiency,
                    block_overhead=compute_hw.block_overhead, mem_bw=compute_hw.mem_bw,
+                   optimizer_bw=compute_hw.optimizer_bw,
                    collective_overhead=compute_hw.collective_overhead)
 
 
-def validate_one(name: str, steps: int, hardware: dict) -> dict:
+def validate_one(name: str, steps: int, calibrations: Calibrations, reps: int = 3) -> dict:
+    """``name`` trained ``reps`` times, each run between two calibrations of its world
+    (calibrate, run, calibrate, run, ..., calibrate: the one after a run is the next one's
+    before): the prediction is the median over those ``reps + 1`` calibrations, the measure the
+    median over the runs, as the benchmarks race a peer (A B A B)."""
     from shardwise.testing import run_world
     world, par, layout = CASES[name]
     cfg = gpt_bench_config(name, parallel=par, train={"steps": steps})
-    hw = _calibrated(cfg, world, hardware).hardware(world)
     computing = par.get("num_workers", world) if name == "ps" else world
-    if computing != world:
-        hw = _computing_on(hw, _calibrated(cfg, computing, hardware).hardware(computing))
-    pred_mem, pred_step = predicted(name, layout, cfg, hw)
+    worlds = sorted({world, computing})
+    pred_mem, first = predicted(name, layout, cfg, _hardware(calibrations.before(cfg, worlds),
+                                                              world, computing))
     role = pred_mem.pop("role", "rank")
     t0 = time.perf_counter()
-    ranks = run_world(_train, world, cfg, timeout=600)
+    tokens = cfg.train.batch_size * cfg.model.block_size
+    preds, measured = [first], []
+    for _ in range(max(1, reps)):
+        ranks = run_world(_train, world, cfg, timeout=600)
+        measured.append(tokens / ranks[0]["throughput"])
+        preds.append(predicted(name, layout, cfg, _hardware(calibrations.after(cfg, worlds),
+                                                            world, computing))[1])
     fullest = max(_same_role(ranks, role),
                   key=lambda r: sum(r["ledger"].get(k, 0) for k in STATES))["ledger"]
     meas_mem = {k: fullest.get(k, 0) for k in (*STATES, "comm_buffers")}
-    tokens = cfg.train.batch_size * cfg.model.block_size
-    meas_step = tokens / ranks[0]["throughput"]
+    pred_step, meas_step = statistics.median(preds), statistics.median(measured)
     states = [sum(pred_mem[k] for k in STATES), sum(meas_mem[k] for k in STATES)]
     return {
         "strategy": name, "world": world, "layout": layout.describe(), "role": role,
@@ -148,6 +193,7 @@ def validate_one(name: str, steps: int, hardware: dict) -> dict:
         "states_predicted": states[0], "states_measured": states[1],
         "states_gap": _gap(*states),
         "step_predicted_s": pred_step, "step_measured_s": meas_step,
+        "step_predictions_s": preds, "step_measurements_s": measured,
         "step_gap": _gap(pred_step, meas_step), "run_seconds": time.perf_counter() - t0,
         "activations_peak_measured": fullest.get("activations_peak"),
     }
@@ -157,13 +203,18 @@ def _pct(x) -> str:
     return "-" if x is None else "inf" if x == float("inf") else f"{x:+.0%}"
 
 
+def _spread(xs) -> str:
+    """``(lo-hi)`` of several readings, empty for fewer than two."""
+    return f"({min(xs):.3f}-{max(xs):.3f})" if xs and len(xs) > 1 else ""
+
+
 def _mb(x) -> str:
     return f"{x / 1e6:.2f}"
 
 
-def markdown(rows: list[dict], calibrations: dict, load: tuple) -> str:
+def markdown(rows: list[dict], calibrations: Calibrations, load: tuple) -> str:
     out = ["| strategy | world | layout | model states pred / meas (MB) | gap | comm buffers "
-           "pred / meas (MB) | step pred / meas (s) | gap | goals (10% / 25%) |",
+           "pred / meas (MB) | step pred / meas (s), median (range) | gap | goals (10% / 25%) |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -178,8 +229,9 @@ def markdown(rows: list[dict], calibrations: dict, load: tuple) -> str:
         out.append(f"| {r['strategy']} | {r['world']} | {r['layout']} | "
                    f"{_mb(r['states_predicted'])} / {_mb(r['states_measured'])} | "
                    f"{_pct(r['states_gap'])} | {_mb(pm['comm_buffers'])} / "
-                   f"{_mb(mm['comm_buffers'])} | {r['step_predicted_s']:.3f} / "
-                   f"{r['step_measured_s']:.3f} | {_pct(r['step_gap'])} | {ok} |")
+                   f"{_mb(mm['comm_buffers'])} | {r['step_predicted_s']:.3f} "
+                   f"{_spread(r.get('step_predictions_s'))} / {r['step_measured_s']:.3f} "
+                   f"{_spread(r.get('step_measurements_s'))} | {_pct(r['step_gap'])} | {ok} |")
     out += ["", "Per category, predicted / measured MB on the planner's fullest device (the same "
             "role measured: stage, worker or server):", "",
             "| strategy | parameters | gradients | optimizer_states | master_weights |",
@@ -189,9 +241,14 @@ def markdown(rows: list[dict], calibrations: dict, load: tuple) -> str:
             cells = [f"{_mb(r['predicted_memory'][k])} / {_mb(r['measured_memory'][k])}"
                      for k in STATES]
             out.append(f"| {r['strategy']} | " + " | ".join(cells) + " |")
-    out += ["", "Calibration per world size (`shardwise.autoplan.calibrate`):", ""]
-    out += [f"- world {n}: " + c.describe().replace("\n", "; ") for n, c in
-            sorted(calibrations.items())]
+    out += ["", "Calibration per world size (`shardwise.autoplan.calibrate`), the last one taken, "
+            "and the spread of the GPT's rate per rank over all taken (one between every two "
+            "runs; a strategy's prediction is the median of those around its runs):", ""]
+    for n, cals in sorted(calibrations.taken.items()):
+        rates = [c.per_rank.model_flops / 1e9 for c in cals]
+        out.append(f"- world {n} ({len(cals)} calibrations, GPT forward+backward "
+                   f"{min(rates):.1f}-{max(rates):.1f} GFLOP/s per rank): "
+                   + cals[-1].describe().replace("\n", "; "))
     out.append(f"- load average during the run: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
                f"on {os.cpu_count()} cores (the machine is shared: times are noisy)")
     return "\n".join(out) + "\n"
@@ -201,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     from shardwise.parallel import available
     ap = argparse.ArgumentParser(prog="python -m shardwise.bench.validate_planner")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=3,
+                    help="runs per strategy, each between two calibrations (medians)")
     ap.add_argument("--only", default="", help="comma-separated strategies (default: all here)")
     ap.add_argument("--save", action="store_true",
                     help="write to shardwise/bench/results/ (overwrites the committed figures); "
@@ -208,21 +267,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)           # calibrate with what each forked rank gets
     names = [n for n in (args.only.split(",") if args.only else CASES) if n in available()]
-    hardware: dict = {}
+    calibrations = Calibrations()
     rows = []
     for name in names:
         try:
-            row = validate_one(name, args.steps, hardware)
+            row = validate_one(name, args.steps, calibrations, args.reps)
         except Exception as exc:  # a strategy still landing: record it, keep going
             row = {"strategy": name, "world": CASES[name][0], "error": f"{type(exc).__name__}: "
                    f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if "memory" not in k}), flush=True)
     load = os.getloadavg()
-    doc = {"rows": rows, "load_average": load, "steps": args.steps,
+    doc = {"rows": rows, "load_average": load, "steps": args.steps, "reps": args.reps,
            "calibration": {n: {"text": c.describe(), "hardware": c.hardware(n).to_dict()}
-                           for n, c in hardware.items()}}
-    write_results(args.save, "planner_validation", doc, markdown(rows, hardware, load))
+                           for n, c in calibrations.latest().items()},
+           "calibration_spread": {n: [c.per_rank.model_flops for c in cals]
+                                  for n, cals in calibrations.taken.items()}}
+    write_results(args.save, "planner_validation", doc, markdown(rows, calibrations, load))
     return 0
 
 

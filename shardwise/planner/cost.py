@@ -23,7 +23,9 @@ runs after the flush, exposed (Megatron-LM 2021). Tensor-parallel allreduces, pi
 offload copies and parameter-server traffic are never overlapped. ``Hardware.comm_overlap``
 scales what compute can hide (1 on accelerators; a CPU calibration sets 0, since there the
 collectives need the cores that backward is using).
-The optimizer step is memory-bound: bytes touched per parameter over device (or host) bandwidth.
+The optimizer step is memory-bound: bytes touched per parameter (``optimizer_bytes``) over the
+rate the optimizer reaches (``Hardware.optimizer_bw``, measured by a CPU calibration; the device's
+memory bandwidth where unknown), or the host's when offloaded.
 """
 from __future__ import annotations
 
@@ -135,6 +137,16 @@ def _microbatch_seconds(layout: Layout, model: ModelSpec, hw: Hardware, batch: B
     return flops / rate * slow + overhead * (4 / 3 if layout.act_ckpt else 1)
 
 
+def optimizer_bytes(batch: Batch) -> float:
+    """Bytes the optimizer step reads and writes per parameter: the weights (master copy under
+    mixed precision) and the optimizer states read and written, the gradient read, and the
+    16-bit copy written under mixed precision."""
+    per = state_bytes(batch)
+    weights = per["master_weights"] or per["parameters"]
+    touched = 2 * weights + 2 * per["optimizer_states"] + per["gradients"]
+    return touched + (per["parameters"] if batch.mixed else 0)
+
+
 def _optimizer_and_offload(layout, model, hw, batch, p_dev, m) -> tuple[float, float]:
     """(device optimizer seconds, offload seconds) per step.
 
@@ -145,19 +157,19 @@ def _optimizer_and_offload(layout, model, hw, batch, p_dev, m) -> tuple[float, f
     every micro-batch (through the host from disk), and written back after the step."""
     per = state_bytes(batch)
     weights = per["master_weights"] or per["parameters"]
-    touched = 2 * weights + 2 * per["optimizer_states"] + per["gradients"]
-    touched += per["parameters"] if batch.mixed else 0
+    touched = optimizer_bytes(batch)
+    step_bw = hw.optimizer_bw or hw.mem_bw
     if layout.num_ps:
         share = model.params / layout.num_ps
-        return share * (2 * 4 + 2 * per["optimizer_states"] + 4) / hw.mem_bw, 0.0
+        return share * (2 * 4 + 2 * per["optimizer_states"] + 4) / step_bw, 0.0
     owned = p_dev / (layout.dp if layout.zero else 1)
     if not layout.offloaded:
-        return owned * touched / hw.mem_bw, 0.0
+        return owned * touched / step_bw, 0.0
     on_node = min(hw.devices_per_node, layout.world)
     device_s = off = 0.0
     params = per["parameters"] * owned
     if layout.offload == "none":
-        device_s = owned * touched / hw.mem_bw
+        device_s = owned * touched / step_bw
     else:
         grads = (m if layout.zero >= 2 else 1) * per["gradients"] * owned
         off += on_node * owned * touched / hw.host_mem_bw + (grads + params) / hw.host_bw

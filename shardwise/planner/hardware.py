@@ -62,6 +62,16 @@ class Hardware:
     reduce-scatter and gathers into a temporary of the output's size; a CPU calibration sets
     it), 0 for NCCL (in place). Counted in the ``buffers`` of ZeRO layouts (memory.py). Such a
     backend also takes an allreduce's time for them (comm.dp_collective)."""
+    optimizer_bw: float = 0.0
+    """Bytes/s the device's optimizer step reaches over the bytes it touches (cost.optimizer_bytes);
+    0: ``mem_bw``. A CPU calibration times the configured optimizer on the model: PyTorch's CPU
+    AdamW reaches about half the copy bandwidth here (11 ms for 3.3M parameters, 93 MB)."""
+    allreduce_bw: float = 0.0
+    """Bus bandwidth of a data-parallel allreduce whose group lies inside one node, where it
+    takes a faster path than the ring over the links, bytes/s: CPU ranks on one host sum
+    through shared memory (shardwise/comm/shm.py; a CPU calibration measures it). 0: the
+    link's rate. Reduce-scatter, all-gather, tensor-parallel allreduces and pipeline sends keep
+    the link's rate (they do not take that path)."""
     compute_lanes: int = 0
     """Ranks of a node that compute at full speed at once: 0 when every rank has a device of
     its own; a CPU calibration sets cores / threads per rank. When a node runs more ranks than

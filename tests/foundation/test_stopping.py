@@ -59,9 +59,25 @@ def _wait_gone(proc: subprocess.Popen, out_dir: str) -> float:
             return time.monotonic() - start
         time.sleep(0.1)
     left = _processes_mentioning(out_dir)
+    seen = {pid: _describe(pid) for pid in left}    # which of the run's processes, doing what
     for pid in left:
         os.kill(pid, signal.SIGKILL)
-    raise AssertionError(f"processes left after {DEADLINE} s: {left}")
+    raise AssertionError(f"processes left after {DEADLINE} s (load {os.getloadavg()[0]:.1f}): "
+                         f"{seen}")
+
+
+def _describe(pid: int) -> str:
+    """A left process's state, parent and command line, for the failure message."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+        with open(f"/proc/{pid}/wchan") as fh:
+            wchan = fh.read().strip()
+        return f"state {fields[0]} ppid {fields[1]} wchan {wchan}: {cmd}"
+    except OSError as exc:
+        return f"gone ({exc.strerror})"
 
 
 @pytest.mark.timeout(180)

@@ -1,6 +1,7 @@
 """``shardwise train --strategy auto``: calibration, the layout -> config conversion, the choice
 among runnable layouts, and an end-to-end run through the CLI."""
 import os
+import platform
 import subprocess
 import sys
 from dataclasses import replace
@@ -38,6 +39,23 @@ def test_calibration_measures_positive_figures():
         assert hw.devices_per_node == n and 0 < hw.efficiency <= 1
         assert hw.memory_bytes <= cal.memory_bytes
     assert "allreduce over" in cal.describe()
+    # DDP's allreduce: shared memory on one x86 host whose ranks poll (this machine's 2 ranks
+    # of 1 thread on >= 2 cores), timed through the reducer training uses; gloo's elsewhere
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    polls = (os.cpu_count() or 1) >= cal.processes
+    if x86 and polls and cal.processes > 1:
+        assert cal.shared_allreduce_bw > 0
+        assert cal.hardware(cal.processes).allreduce_bw == cal.shared_allreduce_bw
+    else:
+        assert cal.shared_allreduce_bw == 0.0
+
+
+def test_calibration_without_the_shared_memory_path_times_gloo_only():
+    cfg = _auto_cfg()
+    cfg = replace(cfg, parallel=replace(cfg.parallel, allreduce="native"))
+    cal = autoplan.calibrate(cfg)
+    assert cal.shared_allreduce_bw == 0.0 and cal.allreduce_bw > 0
+    assert cal.hardware(cal.processes).allreduce_bw == 0.0
 
 
 def test_model_spec_counts_the_real_gpt():

@@ -109,3 +109,53 @@ def test_a_copying_backend_costs_an_allreduce_and_its_copies():
     # ZeRO-1 at dp 2: the whole fp32 gradient in flight (planner's params ~ the spec's count)
     assert big.memory["buffers"] - small.memory["buffers"] == pytest.approx(4 * SPEC.params,
                                                                             rel=0.05)
+
+
+def test_a_same_host_allreduce_path_speeds_only_the_allreduce():
+    """Hardware.allreduce_bw (CPU ranks on one host sum through shared memory): DDP's allreduce
+    inside the node moves at that rate; ZeRO's reduce-scatter / all-gather, tensor parallelism
+    and pipeline sends keep the link's; 0 changes nothing."""
+    base, shm = _cpu(2, collective_copies=1.0), _cpu(2, collective_copies=1.0, allreduce_bw=4e9)
+    ddp = Layout(dp=2, micro_batch=4)
+    k = 13e6
+    bw, alpha = base.link(2, 1)
+    assert comm.dp_collective("ar", k, ddp, shm, 1) == pytest.approx(
+        comm.allreduce_time(k, 2, 4e9, alpha, 1))
+    assert comm.dp_collective("ar", k, ddp, shm, 1) < comm.dp_collective("ar", k, ddp, base, 1)
+    zero = Layout(dp=2, zero=2, micro_batch=4)
+    assert comm.dp_collective("rs", k, zero, shm, 1) == comm.dp_collective("rs", k, zero, base, 1)
+    tp = Layout(tp=2, micro_batch=8)
+    assert comm.tp_time(tp, SPEC, shm, BATCH, 4) == comm.tp_time(tp, SPEC, base, BATCH, 4)
+    assert estimate(ddp, SPEC, shm, BATCH).step_s < estimate(ddp, SPEC, base, BATCH).step_s
+    assert estimate(zero, SPEC, shm, BATCH).step_s == estimate(zero, SPEC, base, BATCH).step_s
+    # a group that spans nodes does not take a one-host path
+    two_nodes = replace(shm, nodes=2, devices_per_node=1, inter_bw=1e9)
+    assert comm.dp_collective("ar", k, ddp, two_nodes, 1) == pytest.approx(
+        comm.dp_collective("ar", k, ddp, replace(two_nodes, allreduce_bw=0.0), 1))
+
+
+def test_a_calibration_hands_the_shared_memory_rate_to_multi_process_hardware():
+    from shardwise import autoplan
+    rank = autoplan.Compute(1, 8e10, 7e10, 0.0, 2e10)
+    cal = autoplan.Calibration("cpu", 2, rank, rank, 1e9, 2e-4, 16 * 2**30, 0.0, 1e-3, 2.5e9)
+    assert cal.hardware(2).allreduce_bw == 2.5e9 and cal.hardware(2).intra_bw == 1e9
+    assert cal.hardware(1).allreduce_bw == 0.0
+    assert "shared memory 2.50 GB/s" in cal.describe()
+    assert "shared memory" not in replace(cal, shared_allreduce_bw=0.0).describe()
+
+
+def test_the_optimizer_step_runs_at_the_measured_rate():
+    """Hardware.optimizer_bw (a CPU calibration times the configured optimizer): the step's
+    bytes per parameter over that rate, for every layout that steps on the device; 0 keeps the
+    memory bandwidth."""
+    from shardwise.planner.cost import optimizer_bytes
+    fast, slow = _cpu(2), _cpu(2, optimizer_bw=5e9)
+    assert optimizer_bytes(BATCH) == 28            # fp32 AdamW: 2x4 weights + 2x8 moments + 4
+    for lay in (Layout(dp=2, micro_batch=4), Layout(dp=2, zero=1, micro_batch=4),
+                Layout(tp=2, micro_batch=8)):
+        a, b = estimate(lay, SPEC, fast, BATCH), estimate(lay, SPEC, slow, BATCH)
+        assert b.optimizer_s == pytest.approx(a.optimizer_s * fast.mem_bw / 5e9)
+        assert b.step_s - a.step_s == pytest.approx(b.optimizer_s - a.optimizer_s)
+    z1 = estimate(Layout(dp=2, zero=1, micro_batch=4), SPEC, slow, BATCH)
+    ddp = estimate(Layout(dp=2, micro_batch=4), SPEC, slow, BATCH)
+    assert z1.optimizer_s == pytest.approx(ddp.optimizer_s / 2)   # each rank steps its half

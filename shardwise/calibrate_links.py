@@ -1,0 +1,158 @@
+"""The links half of the calibration (shardwise/calibrate.py): what a collective costs here.
+
+A forked gloo world of the local process count (``shardwise.testing.run_world``) times:
+
+- ``Comm.all_reduce`` of 1 KiB and 4 MiB (SMALL, LARGE), fitted to the ring's alpha-beta model
+  ``2 (N-1) alpha + 2 (N-1)/N K / bw``: ``bw`` is the bus bandwidth (``intra_bw``, what
+  reduce-scatter, all-gather, tensor parallelism's allreduces and the parameter server get),
+  ``alpha`` the latency per ring step;
+- the all-reduce data parallelism runs (``comm.reducer.Reducer`` with ``parallel.allreduce``):
+  where that takes the same-host shared-memory path (comm/shm.py, the default on one x86 CPU
+  host with polling ranks), the same two sizes through it give its own bus bandwidth
+  (``Hardware.allreduce_bw``, about twice gloo's here); 0 where it does not apply;
+- then each rank computes for a few milliseconds and allreduces 1 MiB (MID), twenty times: what
+  that costs beyond the compute alone and the alpha-beta time of 1 MiB is
+  ``collective_overhead`` (the ranks' arrival skew and waking gloo's threads, which every
+  collective in training pays after the compute before it: about 3 ms here, 15x the idle figure,
+  when ranks block; much less when they poll, ``train.comm_wait``). The probe waits as training
+  will (``runtime.spins``);
+- with a config, each rank's compute (``calibrate.measure_compute``, passed in), all ranks in
+  step.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+SMALL, MID, LARGE = 256, 1 << 18, 1 << 20
+"""Allreduce probe sizes in fp32 elements: 1 KiB (latency), 1 MiB (after compute: a layer's
+activations, as tensor parallelism reduces them) and 4 MiB (bandwidth)."""
+
+
+@dataclass(frozen=True)
+class Links:
+    """What the collectives of a ``world``-rank group cost on this machine."""
+
+    bw: float = 0.0
+    """Bus bandwidth of the backend's ring allreduce, bytes/s (0: one process)."""
+    alpha: float = 0.0
+    """Seconds per ring step (the 1 KiB allreduce over its ring steps)."""
+    overhead: float = 0.0
+    """Seconds a collective costs beyond alpha-beta when it follows compute."""
+    shared_bw: float = 0.0
+    """Bus bandwidth of data parallelism's allreduce over shared memory (0: not taken)."""
+    compute: object = None
+    """The slowest rank's ``calibrate.Compute`` (None without a config)."""
+
+
+def _timed_sizes(reduce, reps: tuple[int, int], barrier) -> dict:
+    """Median seconds of ``reduce(t)`` for SMALL and LARGE fp32 elements, after a warm-up."""
+    out = {}
+    for numel, n in zip((SMALL, LARGE), reps):
+        t = torch.ones(numel)
+        reduce(t)                            # warm-up (connections, buffers, shared pages)
+        times = []
+        for _ in range(n):
+            barrier()
+            t0 = time.perf_counter()
+            reduce(t)
+            times.append(time.perf_counter() - t0)
+        out[numel] = statistics.median(times)
+    return out
+
+
+def _probe(rank: int, world: int, reps: tuple[int, int], cfg=None, threads: int = 1,
+           compute=None) -> dict:
+    """One forked rank: the backend's and data parallelism's allreduce at both sizes, the cost
+    after compute, and (with ``cfg``) this rank's ``compute(cfg, device, threads, agree)``
+    while every other rank measures too (so the figure includes the ranks' contention for cores
+    and memory bandwidth)."""
+    from shardwise.comm.collectives import Comm
+    from shardwise.comm.reducer import Reducer
+    from shardwise.mesh import Mesh
+    from shardwise.runtime import spins
+    torch.set_num_threads(threads)      # what each rank will have, so it waits as training will
+    wait = cfg.train.comm_wait if cfg is not None else "auto"
+    device = torch.device("cpu")
+    comm = Comm(spin=spins(wait, device, world))
+    group = Mesh.build(1, world, 1).world
+    barrier = lambda: comm.barrier(group)   # noqa: E731
+    out = {"native": _timed_sizes(lambda t: comm.all_reduce(t, group), reps, barrier)}
+    kind = cfg.parallel.allreduce if cfg is not None else "auto"
+    if kind in ("auto", "shm"):
+        reducer = Reducer(comm, group, kind, device)       # decides collectively at first use
+        try:
+            dp = _timed_sizes(lambda t: reducer.all_reduce(t, False, "calibration"), reps,
+                              barrier)
+        except RuntimeError:       # an explicit shm that cannot apply: every rank says so
+            dp = None
+        if dp is not None and reducer.uses_shared_memory:
+            out["shared"] = dp
+        reducer.close()
+    out["after_compute"] = _after_compute(comm, group)
+    if cfg is not None and compute is not None:
+        out["compute"] = compute(cfg, device, threads, lambda x: _world_max(comm, group, x))
+    return out
+
+
+def _world_max(comm, group, x: float) -> float:
+    """The largest ``x`` over ``group`` (every member waits for all: also a barrier)."""
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    comm.all_reduce(t, group, op="max", name="calibration")
+    return float(t.item())
+
+
+def _after_compute(comm, group, reps: int = 20) -> float:
+    """Seconds a MID-element allreduce adds right after a few milliseconds of compute, beyond
+    the compute itself (module docstring)."""
+    a = torch.randn(384, 384)
+
+    def work():
+        for _ in range(3):
+            a @ a
+    work()
+    comm.barrier(group)
+    alone = []
+    for _ in range(reps // 2):
+        t0 = time.perf_counter()
+        work()
+        alone.append(time.perf_counter() - t0)
+    t = torch.ones(MID)
+    comm.barrier(group)
+    both = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        work()
+        comm.all_reduce(t, group)
+        both.append(time.perf_counter() - t0)
+    return statistics.median(both) - statistics.median(alone)
+
+
+def _bus_bw(times: list[dict], world: int) -> tuple[float, float]:
+    """(bus bandwidth, seconds per ring step) from the slowest rank's SMALL and LARGE times."""
+    small = max(r[SMALL] for r in times)
+    large = max(r[LARGE] for r in times)
+    steps = 2 * (world - 1)
+    return steps / world * (LARGE - SMALL) * 4 / max(large - small, 1e-9), small / steps
+
+
+def measure_links(world: int, cfg=None, threads: int = 1, compute=None) -> Links:
+    """The collectives of ``world`` forked CPU ranks (with ``cfg`` and ``compute``, the
+    calibration's ``measure_compute``: compute measured in all ranks at once); empty Links for
+    one process."""
+    from shardwise.testing import run_world
+    if world < 2:
+        return Links()
+    per_rank = run_world(_probe, world, (30, 10), cfg, threads, compute, timeout=180)
+    bw, alpha = _bus_bw([r["native"] for r in per_rank], world)
+    shared = [r["shared"] for r in per_rank if "shared" in r]
+    shared_bw = _bus_bw(shared, world)[0] if len(shared) == world else 0.0
+    computes = [r["compute"] for r in per_rank if "compute" in r]
+    slowest = min(computes, key=lambda c: c.model_flops) if computes else None
+    steps = 2 * (world - 1)
+    model = steps * alpha + steps / world * MID * 4 / bw      # the alpha-beta time of MID
+    overhead = max(0.0, max(r["after_compute"] for r in per_rank) - model)
+    return Links(bw, alpha, overhead, shared_bw, slowest)
