@@ -82,7 +82,10 @@ class Calibration:
             nodes=1, devices_per_node=processes, memory_bytes=int(share), peak_flops=peak,
             intra_bw=self.allreduce_bw or 1e12, intra_latency=self.allreduce_latency,
             efficiency=c.model_flops / peak, block_overhead=c.block_overhead, mem_bw=c.mem_bw,
-            host_bw=c.mem_bw / 2, host_mem_bw=c.mem_bw, host_memory_bytes=_ram_bytes(),
+            host_bw=c.mem_bw / 2,
+            # on a CPU the host is the device: an offloaded step runs the same optimizer
+            host_mem_bw=(c.optimizer_bw or c.mem_bw) if cpu else c.mem_bw,
+            host_memory_bytes=_ram_bytes(),
             reserved_bytes=0 if cpu else 2**30, name=f"{self.device} (calibrated)",
             comm_overlap=0.0 if cpu else 1.0,   # CPU ranks reduce on the cores they compute on
             collective_overhead=self.collective_overhead, optimizer_bw=c.optimizer_bw,

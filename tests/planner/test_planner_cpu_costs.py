@@ -159,3 +159,17 @@ def test_the_optimizer_step_runs_at_the_measured_rate():
     z1 = estimate(Layout(dp=2, zero=1, micro_batch=4), SPEC, slow, BATCH)
     ddp = estimate(Layout(dp=2, micro_batch=4), SPEC, slow, BATCH)
     assert z1.optimizer_s == pytest.approx(ddp.optimizer_s / 2)   # each rank steps its half
+
+
+def test_on_a_cpu_an_offloaded_step_is_no_faster_than_the_device_step():
+    """On a CPU the host is the device: a calibration gives the offloaded optimizer step the
+    measured optimizer rate too, so offloading can only add copies (before, a slow measured
+    optimizer made offload=cpu look faster than stepping in place)."""
+    from shardwise import autoplan
+    rank = autoplan.Compute(1, 8e10, 7e10, 0.0, 2e10, optimizer_bw=1e9)
+    hw = autoplan.Calibration("cpu", 1, rank, rank, 0.0, 0.0, 16 * 2**30, 0.0).hardware(1)
+    assert hw.optimizer_bw == hw.host_mem_bw == 1e9
+    batch = Batch(8, precision="fp32")
+    here = estimate(Layout(zero=1, micro_batch=8), SPEC, hw, batch)
+    off = estimate(Layout(zero=1, offload="cpu", micro_batch=8), SPEC, hw, batch)
+    assert off.step_s > here.step_s
