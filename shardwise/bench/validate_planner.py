@@ -8,10 +8,10 @@ trains briefly in a forked gloo world (``shardwise.testing.run_world``). Rank by
 strategy's ``memory_ledger()`` gives the bytes it holds by category; the fullest rank is
 compared with the planner's ``estimate()`` for the same layout (the planner also reports its
 fullest device), on the Hardware that ``shardwise.autoplan.calibrate`` measures for that world
-size (matmul, GPT forward+backward fit, copy bandwidth, gloo's and data parallelism's
-allreduce) around its runs: ``--reps`` runs (3), each between two calibrations, medians of
-both sides (``Calibrations``: this machine's speed drifts within a minute). Goals (issue 7): memory within
-10% per category, step time within 25%.
+size (matmul, GPT forward+backward fit, copy bandwidth, the optimizer step, gloo's and data
+parallelism's allreduce) around its runs: ``--reps`` runs (3), each between two calibrations,
+medians of both sides (``Calibrations``: this machine's speed drifts within a minute). Goals
+(issue 7): memory within 10% per category, step time within 25%.
 
 Writes shardwise/bench/results/planner_validation.json and planner_validation.md.
 """
@@ -127,8 +127,7 @@ class Calibrations:
 
     def before(self, cfg, worlds) -> dict:
         """{world: its calibration just before the run} (the last run's after, or a new one)."""
-        ready = {w: self._after[w] for w in worlds if w in self._after}
-        return {w: ready.get(w) or self._take(cfg, w) for w in worlds}
+        return {w: self._after.get(w) or self._take(cfg, w) for w in worlds}
 
     def after(self, cfg, worlds) -> dict:
         """{world: a calibration just after the run}; it is the next run's before."""
