@@ -50,8 +50,19 @@ def optimizer_factory(cfg: Config) -> OptimizerFactory:
         if t.optimizer == "adamw8bit":       # both moments in 8 bits (memory/optim8bit.py)
             return make_adamw8bit(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
         cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
-        return cls(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+        params = list(params)
+        return cls(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95),
+                   **_fused_on_cuda(params))
     return make
+
+
+def _fused_on_cuda(params: list) -> dict:
+    """``fused=True`` (one kernel for the whole step, PyTorch's fastest Adam) when every
+    parameter is a floating CUDA tensor; elsewhere PyTorch's default (foreach on CPU)."""
+    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    on_cuda = bool(tensors) and all(isinstance(p, torch.Tensor) and p.is_cuda and
+                                    p.is_floating_point() for p in tensors)
+    return {"fused": True} if on_cuda else {}
 
 
 class Engine:

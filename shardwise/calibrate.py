@@ -10,10 +10,12 @@
   process with all threads, for the one-process alternative;
 - memory bandwidth (a large copy), and the configured optimizer's step on the model (PyTorch's
   CPU AdamW reaches about half the copy's rate here), for the planner's optimizer step;
-- the links (shardwise/calibrate_links.py): gloo's allreduce, the shared-memory allreduce
-  data parallelism takes where it applies, and what a collective costs after compute
+- the links (shardwise/calibrate_links.py): on CPU, gloo's allreduce, the shared-memory
+  allreduce data parallelism takes where it applies, and what a collective costs after compute
   (``collective_overhead``), in a forked world of the local process count, which also times
-  each rank's compute with every rank computing.
+  each rank's compute with every rank computing. On CUDA nothing is forked: one GPU has no link,
+  and several GPUs' links come from the planner's GPU catalogue (``gpu_links``), which the
+  printed calibration says.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shardwise.calibrate_links import measure_links
+from shardwise.calibrate_links import gpu_links, measure_links
 from shardwise.config import Config, ConfigError
 from shardwise.planner import Batch, Hardware, ModelSpec
 from shardwise.planner.units import fmt_bytes
@@ -71,6 +73,10 @@ class Calibration:
     shared_allreduce_bw: float = 0.0
     """Bus bandwidth of data parallelism's allreduce over shared memory, bytes/s (0 where it
     takes gloo's: another host, ranks that block, ``--allreduce native`` or ``ring``)."""
+    links_source: str = "gloo, measured"
+    """Where ``allreduce_bw`` and ``allreduce_latency`` come from (GPUs: the catalogue)."""
+    interconnect: str = ""
+    """The GPUs' link for the planner (``nvlink`` or ``pcie``); empty for CPU ranks."""
 
     def hardware(self, processes: int) -> Hardware:
         """``Hardware.custom`` for ``processes`` ranks on this machine (1: the whole process)."""
@@ -92,10 +98,11 @@ class Calibration:
             allreduce_bw=self.shared_allreduce_bw if cpu and processes > 1 else 0.0,
             collective_copies=1.0 if cpu else 0.0,   # gloo's reduce-scatter / all-gather copies
             compute_lanes=max(1, (os.cpu_count() or 1) // max(1, c.threads)) if cpu else 0,
-            interconnect="shm" if cpu else "gloo")
+            interconnect="shm" if cpu else self.interconnect or "none")
 
     def describe(self) -> str:
-        """Two or three lines of measured figures."""
+        """Two or three lines: the measured figures, and the links (measured on CPU; on GPUs,
+        where their figures come from)."""
         r, w = self.per_rank, self.whole
         lines = [f"calibrated in {self.seconds:.1f} s on {self.device}: matmul "
                  f"{r.matmul_flops / 1e9:.1f} GFLOP/s per rank ({r.threads} thread(s), "
@@ -105,7 +112,9 @@ class Calibration:
                  f"one process with {w.threads} thread(s): matmul {w.matmul_flops / 1e9:.1f} "
                  f"GFLOP/s, GPT {w.model_flops / 1e9:.1f} GFLOP/s + {w.block_overhead * 1e3:.2f} ms"
                  f" per block and micro-batch"]
-        if self.processes > 1:
+        if self.device != "cpu":
+            lines.append(self._gpu_links())
+        elif self.processes > 1:
             lines.append(f"allreduce over {self.processes} processes (gloo): bus bandwidth "
                          f"{self.allreduce_bw / 1e9:.2f} GB/s, latency "
                          f"{self.allreduce_latency * 1e6:.0f} us per ring step, "
@@ -116,6 +125,15 @@ class Calibration:
                          + f"memory per process "
                          f"{fmt_bytes(self.hardware(self.processes).memory_bytes)}")
         return "\n".join(lines)
+
+    def _gpu_links(self) -> str:
+        """The line on the GPUs' links: where they come from (never a gloo world's figure)."""
+        if self.processes < 2:
+            return f"links: {self.links_source}; memory per GPU {fmt_bytes(self.memory_bytes)}"
+        return (f"links between the {self.processes} GPUs from {self.links_source}: bus "
+                f"bandwidth {self.allreduce_bw / 1e9:.1f} GB/s, latency "
+                f"{self.allreduce_latency * 1e6:.0f} us per ring step; memory per GPU "
+                f"{fmt_bytes(self.memory_bytes)}")
 
 
 def _ram_bytes() -> int:
@@ -226,8 +244,9 @@ def calibrate(cfg: Config) -> Calibration:
     n = processes(cfg)
     device = pick_device(cfg.train.device, 0)
     if device.type == "cuda":
-        links = replace(measure_links(n), overhead=0.0, shared_bw=0.0)
-        # (NCCL on GPUs: launches are microseconds, inside the latency; no shared memory)
+        # no forked gloo world: its bandwidth is not the GPUs'; one GPU needs no link, several
+        # take the catalogue's (NCCL launches are microseconds, inside the latency)
+        links = gpu_links(n, torch.cuda.get_device_name(device))
         whole = measure_compute(cfg, device, torch.get_num_threads())
         per_rank, memory = whole, torch.cuda.get_device_properties(device).total_memory
     else:
@@ -239,7 +258,8 @@ def calibrate(cfg: Config) -> Calibration:
         per_rank = links.compute or whole
         memory = _ram_bytes()
     return Calibration(device.type, n, per_rank, whole, links.bw, links.alpha, memory,
-                       time.perf_counter() - t0, links.overhead, links.shared_bw)
+                       time.perf_counter() - t0, links.overhead, links.shared_bw, links.source,
+                       links.interconnect)
 
 
 

@@ -18,6 +18,11 @@ A forked gloo world of the local process count (``shardwise.testing.run_world``)
   will (``runtime.spins``);
 - with a config, each rank's compute (``calibrate.measure_compute``, passed in), all ranks in
   step.
+
+That world is CPU ranks over gloo, and describes CPU ranks only. GPUs are not measured this way
+(a gloo world's bandwidth says nothing about NVLink or PCIe, and forking after the parent has
+used CUDA is unsafe): ``gpu_links`` takes their links from the planner's GPU catalogue
+(shardwise/planner/catalogue.py) and says so; one GPU has no link at all.
 """
 from __future__ import annotations
 
@@ -46,6 +51,10 @@ class Links:
     """Bus bandwidth of data parallelism's allreduce over shared memory (0: not taken)."""
     compute: object = None
     """The slowest rank's ``calibrate.Compute`` (None without a config)."""
+    source: str = "gloo, measured"
+    """Where the figures come from, for the printed plan."""
+    interconnect: str = ""
+    """The planner's name of the link: ``nvlink`` or ``pcie`` (GPUs), empty for CPU ranks."""
 
 
 def _timed_sizes(reduce, reps: tuple[int, int], barrier) -> dict:
@@ -156,3 +165,39 @@ def measure_links(world: int, cfg=None, threads: int = 1, compute=None) -> Links
     model = steps * alpha + steps / world * MID * 4 / bw      # the alpha-beta time of MID
     overhead = max(0.0, max(r["after_compute"] for r in per_rank) - model)
     return Links(bw, alpha, overhead, shared_bw, slowest)
+
+
+_CATALOGUE_GPUS = ((r"\bh200\b", "h200"), (r"\bh100\b", "h100-80gb"),
+                   (r"\ba100\b.*\b80\s*gb\b", "a100-80gb"), (r"\ba100\b", "a100-40gb"),
+                   (r"\bv100\b.*\b16\s*gb\b", "v100-16gb"), (r"\bv100\b", "v100"),
+                   (r"\bl4\b", "l4"))
+"""A CUDA device name (``torch.cuda.get_device_name``: "NVIDIA H200", "NVIDIA A100-SXM4-80GB")
+-> its catalogue entry; the first pattern that matches wins."""
+
+UNKNOWN_GPU_PCIE_BW = 0.4 * 32e9
+"""Bus bandwidth assumed between GPUs the catalogue does not list: PCIe gen4 x16 (32 GB/s per
+direction) with the catalogue's factor of 0.4 for collectives over PCIe."""
+
+
+def gpu_links(world: int, device_name: str) -> Links:
+    """The links between ``world`` GPUs of this node called ``device_name``, from the planner's
+    catalogue, not measured (module docstring); empty Links (no link) for one GPU. NVLink where
+    the catalogue's entry has it and the name does not say PCIe, else PCIe."""
+    import re
+    from shardwise.planner import catalogue
+    if world < 2:
+        return Links(source="one GPU: no link to calibrate")
+    name = device_name.lower().replace("-", " ")
+    entry = next((catalogue.accelerator(key) for pattern, key in _CATALOGUE_GPUS
+                  if re.search(pattern, name)), None)
+    pcie = "pcie" in name or entry is None or entry.nvlink_bw is None
+    link = "pcie" if pcie else "nvlink"
+    latency = (entry.intra_latency if entry is not None else None) or \
+        catalogue.INTERCONNECT_LATENCY[link]
+    if entry is None:
+        return Links(UNKNOWN_GPU_PCIE_BW, latency, source=f"{device_name!r} is not in the "
+                     "planner's catalogue: taken as PCIe gen4 x16, not measured",
+                     interconnect=link)
+    bw = entry.pcie_bw if pcie else entry.nvlink_bw
+    return Links(bw, latency, source=f"the planner's catalogue ({entry.name} over {link}), "
+                 "not measured", interconnect=link)

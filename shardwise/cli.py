@@ -20,13 +20,15 @@ USAGE = """usage: shardwise COMMAND [options]
 
 commands:
   train   train a model with a parallel strategy ('shardwise train' alone: the default job,
-          a small GPT on the Python standard library's source, DDP on 2 processes)
+          a small GPT on the Python standard library's source, DDP on 2 processes; on
+          GPUs one process per GPU)
   plan    rank parallel layouts for a model on a cluster with the cost model
   bench   run benchmark rows against their PyTorch peers (shardwise/bench/README.md)
   checkpoint inspect D | export D --out model.safetensors
           what a saved checkpoint holds; the plain model's weights as safetensors
-  generate --run DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --seed S]
-          sample text from a trained run's model (gpt, hf:gpt2, hf:llama)
+  generate --run DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --seed S
+          --device auto|cpu|cuda]
+          sample text from a trained run's model (gpt, hf:gpt2, hf:llama) on a device
 
 options:
   --version   print shardwise's version and exit
@@ -109,6 +111,7 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     cfg, args = parse_config(argv)
     world = launch.world_size(cfg)
     validate(cfg, world)
+    launch.check_gpus(cfg)          # a CUDA run: one GPU per rank on this node
     check_ignored(cfg)
     cfg = prelaunch.resolve_model_data(cfg, args, world)   # --dataset text tokenized here, once
     check_model_names(cfg)          # --freeze / --lora-targets against the model's names

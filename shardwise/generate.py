@@ -2,7 +2,10 @@
 
 Everything comes from the run directory ``DIR`` that ``shardwise train`` wrote:
   * the model: ``config.json`` (the resolved config) builds it again (``gpt``, ``hf:gpt2``,
-    ``hf:llama``), in one process, on the CPU;
+    ``hf:llama``), in one process, on ``--device`` (``auto``: CUDA when present, else the CPU;
+    ``cpu``; ``cuda``, refused without a visible GPU); without ``--device``, the run's own
+    ``train.device``. The model and the tokens live there; each step's logits come back to
+    the CPU to pick the next token;
   * the weights: ``final.safetensors`` (the plain model after the last step, written by
     shardwise/train.py in every layout), else the latest checkpoint of the run's
     ``--checkpoint-dir``, exported to the plain state dict (shardwise/checkpoint/tools.py; any
@@ -11,8 +14,9 @@ Everything comes from the run directory ``DIR`` that ``shardwise train`` wrote:
     of the BPE / tokenizer file it trained with.
 Sampling: autoregressive, one token at a time, the context cut to the model's last
 ``block_size`` tokens; ``--temperature 0`` takes the most likely token (greedy), otherwise
-softmax(logits / T) restricted to the ``--top-k`` most likely (0: all), drawn from a generator
-seeded with ``--seed`` (the same text for the same seed). The prompt and the continuation are
+softmax(logits / T) restricted to the ``--top-k`` most likely (0: all), drawn from a CPU
+generator seeded with ``--seed`` (the same text for the same seed; on another device the logits
+may differ in the last bits, and so, rarely, may a token). The prompt and the continuation are
 printed to stdout; which weights were used goes to stderr. Bad input is refused with one line
 (exit 2): a missing run directory, no weights, an empty prompt, a prompt longer than the window
 or with tokens outside the model's vocabulary.
@@ -29,6 +33,7 @@ from shardwise.config import ConfigError
 
 FINAL = "final.safetensors"           # shardwise/train.py's FINAL_WEIGHTS (no torch import here)
 MODELS = ("gpt", "hf:gpt2", "hf:llama")
+DEVICES = ("auto", "cpu", "cuda")     # train.device's choices
 
 
 def parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -42,6 +47,9 @@ def parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=0,
                     help="sample among the k most likely tokens; 0 = all (default 0)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    ap.add_argument("--device", choices=DEVICES, default=None,
+                    help="where the model runs: auto = cuda when present, else cpu "
+                         "(default: the run's train.device)")
     return ap
 
 
@@ -54,6 +62,23 @@ def check_args(args: argparse.Namespace) -> None:
                           "use 1.0 for plain sampling, 0 for greedy")
     if args.top_k < 0:
         raise ConfigError("--top-k", args.top_k, "must be >= 0", "use 0 for all tokens")
+
+
+def pick_device(choice: str):
+    """The torch device for ``--device`` (``auto``: CUDA when present); a device passes through.
+    Touches CUDA only when the answer is CUDA."""
+    import torch
+    if isinstance(choice, torch.device):
+        return choice
+    if choice not in DEVICES:
+        raise ConfigError("--device", choice, "is not a device generate knows",
+                          f"use one of {', '.join(DEVICES)}")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", choice, "no CUDA device is visible",
+                          "use --device cpu (or auto)")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def load_run(folder: str):
@@ -134,8 +159,9 @@ def weights(cfg, folder: str):
                       "--checkpoint-dir and generate from its checkpoints")
 
 
-def build(cfg, state: dict):
-    """The run's model with ``state`` loaded; every parameter must be in it, nothing more."""
+def build(cfg, state: dict, device="cpu"):
+    """The run's model with ``state`` loaded, on ``device``; every parameter must be in it,
+    nothing more."""
     import torch
     from shardwise.models import build_model
     model = build_model(cfg.model, cfg.train.seed)
@@ -148,7 +174,7 @@ def build(cfg, state: dict):
                           f"{extra[:2]})", "use the run directory the weights were trained in")
     with torch.no_grad():
         model.load_state_dict(state, strict=False)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def encode_prompt(tok, prompt: str, cfg) -> list[int]:
@@ -169,15 +195,17 @@ def encode_prompt(tok, prompt: str, cfg) -> list[int]:
 
 def sample(model, ids: list[int], n: int, window: int, temperature: float, top_k: int,
            seed: int) -> list[int]:
-    """``n`` tokens after ``ids``: greedy (temperature 0) or sampled (see the module)."""
+    """``n`` tokens after ``ids``: greedy (temperature 0) or sampled (see the module), on the
+    model's device; the choice of each token is made on the CPU."""
     import torch
     from shardwise.models import logits_of
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.tensor([ids], dtype=torch.long)                   # (1, T)
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)                       # CPU: one stream everywhere
+    idx = torch.tensor([ids], dtype=torch.long, device=device)    # (1, T)
     new = []
     with torch.no_grad():
         for _ in range(n):
-            logits = logits_of(model(idx[:, -window:]))[0, -1].float()   # (V,)
+            logits = logits_of(model(idx[:, -window:]))[0, -1].float().cpu()   # (V,)
             if temperature == 0:
                 nxt = int(logits.argmax())
             else:
@@ -187,18 +215,20 @@ def sample(model, ids: list[int], n: int, window: int, temperature: float, top_k
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
             new.append(nxt)
-            idx = torch.cat([idx, torch.tensor([[nxt]])], dim=1)
+            idx = torch.cat([idx, torch.tensor([[nxt]], device=device)], dim=1)
     return new
 
 
 def generate(folder: str, prompt: str, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0) -> tuple[str, str]:
-    """(prompt + generated text, where the weights came from)."""
+             top_k: int = 0, seed: int = 0, device=None) -> tuple[str, str]:
+    """(prompt + generated text, where the weights came from). ``device``: auto | cpu | cuda
+    or a torch.device; None: the run's ``train.device``."""
     cfg = load_run(folder)
+    where = pick_device(cfg.train.device if device is None else device)
     tok = tokenizer(cfg, folder)
     ids = encode_prompt(tok, prompt, cfg)
     state, source = weights(cfg, folder)
-    model = build(cfg, state)
+    model = build(cfg, state, where)
     new = sample(model, ids, max_new_tokens, cfg.model.block_size, temperature, top_k, seed)
     return tok.decode(ids + new), source
 
@@ -209,7 +239,7 @@ def main(argv: list[str], parser_class=argparse.ArgumentParser, error=None) -> i
     try:
         check_args(args)
         text, source = generate(args.run, args.prompt, args.max_new_tokens, args.temperature,
-                                args.top_k, args.seed)
+                                args.top_k, args.seed, args.device)
     except ConfigError as exc:
         if error is not None:
             return error(str(exc))

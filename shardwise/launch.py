@@ -5,6 +5,11 @@ more than one, re-runs itself under ``torch.distributed.run`` (torchrun), printi
 command so users learn the real thing. Under torchrun, SLURM or any launcher that sets RANK and
 WORLD_SIZE, it simply joins that world.
 
+GPUs: a CUDA run has one rank per GPU (NCCL refuses two ranks on one device). Without a setting
+that fixes the process count, a CUDA run starts one process per visible GPU (a one-GPU host: a
+world of one, no torchrun), a CPU run two; a count beyond the visible GPUs is refused before
+launch (``check_gpus``).
+
 Restarts (``--max-restarts N``): the command passes ``--max-restarts N`` to torchrun, whose
 elastic agent stops the whole world when a rank dies and starts it again, up to N times, with
 ``TORCHELASTIC_RESTART_COUNT`` counting the attempts. A restarted world resumes from the newest
@@ -45,7 +50,9 @@ def gpu_count() -> int:
 
 
 def local_world_size(cfg: Config) -> int:
-    """Processes to start on this machine when no launcher started us."""
+    """Processes to start on this machine when no launcher started us. Without a setting that
+    fixes it: one per visible GPU for a CUDA run (a one-GPU host runs a world of one), 2 on
+    CPU; with ``--device cpu`` the GPUs are not counted (nor is CUDA asked)."""
     p = cfg.parallel
     if p.strategy in SINGLE_PROCESS:
         return 1
@@ -57,7 +64,54 @@ def local_world_size(cfg: Config) -> int:
         return p.dp * p.tp * p.pp
     if p.tp * p.pp > 1:
         return p.tp * p.pp
+    if cfg.train.device == "cpu":
+        return 2
     return gpu_count() or 2
+
+
+def _world_setting(cfg: Config) -> tuple[str, object, str]:
+    """(field, value, what it means) of the setting that fixes the local process count."""
+    p = cfg.parallel
+    if p.nproc_per_node:
+        return "parallel.nproc_per_node", p.nproc_per_node, f"{p.nproc_per_node} processes"
+    if p.strategy == "ps":
+        return ("parallel.num_workers", p.num_workers or 2,
+                f"num_ps + num_workers = {local_world_size(cfg)} processes")
+    if p.dp:
+        return "parallel.dp", p.dp, f"dp x tp x pp = {local_world_size(cfg)} processes"
+    field = "parallel.tp" if p.tp > 1 else "parallel.pp"
+    return field, p.tp if p.tp > 1 else p.pp, f"tp x pp = {local_world_size(cfg)} processes"
+
+
+def check_gpus(cfg: Config) -> None:
+    """One GPU per rank, before any process starts (ConfigError: one line). A CUDA run
+    (``--device cuda``, or ``auto`` where a GPU is visible) whose processes on this node
+    outnumber the visible GPUs is refused: NCCL refuses two ranks on one device, and the run
+    would otherwise fail at its first collective. Under a launcher the node's count is its
+    LOCAL_WORLD_SIZE (torchrun's; SLURM_NTASKS_PER_NODE under SLURM); without one,
+    ``local_world_size``."""
+    if cfg.train.device == "cpu":
+        return
+    gpus = gpu_count()
+    if not gpus:
+        return      # auto: the CPU; cuda: validate's "no CUDA device is visible"
+    visible = f"{gpus} CUDA device{'s are' if gpus > 1 else ' is'} visible"
+    if under_launcher():
+        local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "")
+        local = int(local) if local.isdigit() else 0
+        if local > gpus:
+            raise ConfigError("train.device", cfg.train.device, f"the launcher starts {local} "
+                              f"ranks on this node (LOCAL_WORLD_SIZE) but {visible}, and NCCL "
+                              "needs one GPU per rank", f"start at most {gpus} rank(s) per node "
+                              f"(torchrun --nproc-per-node {gpus}), or --device cpu")
+        return
+    n = local_world_size(cfg)
+    if n > gpus:
+        field, value, what = _world_setting(cfg)
+        fix = (f"--nproc-per-node {gpus}" if field == "parallel.nproc_per_node"
+               else f"a layout of at most {gpus} process(es)")
+        raise ConfigError(field, value, f"{what} on this node but {visible}, and NCCL needs "
+                          "one GPU per rank", f"{fix}, or --device cpu")
 
 
 def world_size(cfg: Config) -> int:

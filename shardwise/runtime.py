@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm.collectives import Comm, CommMeter
-from shardwise.config import Config
+from shardwise.config import Config, ConfigError
 from shardwise.mesh import Mesh
 
 
@@ -51,13 +51,40 @@ def launcher_world() -> tuple[int, int, int]:
     return int(env["RANK"]), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0"))
 
 
-def pick_device(choice: str, local_rank: int) -> torch.device:
+def pick_device(choice: str, local_rank: int, shared_gpus: bool = False) -> torch.device:
+    """The device of the rank ``local_rank`` of this node: ``cuda:local_rank`` for
+    ``train.device`` cuda (or auto where CUDA is present), else the CPU (CUDA is not touched).
+
+    One GPU per rank: NCCL refuses two ranks on one device, so a local rank beyond the visible
+    GPUs is refused (ConfigError naming the fix), never wrapped round. ``shared_gpus`` is the
+    one exception, on purpose: a gloo world someone else started (a test harness whose ranks
+    share a GPU and stage collectives through the host) takes GPU ``local_rank % count``."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device = 'cuda' but no CUDA device is visible; use --device cpu")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            raise ConfigError("train.device", "cuda", "no CUDA device is visible",
+                              "use --device cpu (or auto)")
+        count = torch.cuda.device_count()
+        if local_rank >= count and not shared_gpus:
+            raise ConfigError("train.device", choice, f"this is local rank {local_rank} but "
+                              f"{count} CUDA device(s) are visible, and NCCL needs one GPU per "
+                              "rank", f"start at most {count} rank(s) per node (torchrun "
+                              f"--nproc-per-node {count}), or --device cpu")
+        torch.cuda.set_device(local_rank % count)      # == local_rank unless shared_gpus
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def joined_local_rank() -> int:
+    """This rank's local rank in a world someone else started: LOCAL_RANK when set; else, in
+    an NCCL world, the GPU its starter bound it to (``device_id``, else the current device:
+    NCCL needs one, and it is the rank's own); else 0."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        bound = getattr(dist.group.WORLD, "bound_device_id", None)
+        return bound.index if bound is not None and bound.index is not None \
+            else torch.cuda.current_device()
+    return 0
 
 
 def collective_seconds(cfg: Config) -> float:
@@ -77,10 +104,12 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
     """
     if dist.is_initialized():  # a world someone else started (a test harness, a user script)
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = joined_local_rank()
     else:
         rank, world_size, local_rank = launcher_world()
-    device = pick_device(cfg.train.device, local_rank)
+    # several ranks on one GPU only in a gloo world someone else started (pick_device)
+    shared_gpus = dist.is_initialized() and dist.get_backend() == "gloo"
+    device = pick_device(cfg.train.device, local_rank, shared_gpus)
     backend = None
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -98,7 +127,9 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
         mesh_sizes = (1, world_size, 1) if p.strategy == "ps" else (p.pp, resolve_dp(cfg, world_size), p.tp)
     mesh = Mesh.build(*mesh_sizes)
     timeout = timedelta(seconds=collective_seconds(cfg)) if world_size > 1 else None
-    comm = Comm(CommMeter(), timeout=timeout, spin=spins(cfg.train.comm_wait, device, world_size))
+    # SHARDWISE_CHECK_DEVICES=1: every collective checks its tensors' devices (debug mode)
+    comm = Comm(CommMeter(), timeout=timeout, spin=spins(cfg.train.comm_wait, device, world_size),
+                device=device, check_devices=os.environ.get("SHARDWISE_CHECK_DEVICES") == "1")
     return Runtime(mesh=mesh, comm=comm, device=device, backend=backend, local_rank=local_rank)
 
 

@@ -24,11 +24,16 @@ import torch
 import torch.distributed as dist
 
 
-def _child(fn, rank, n, init_file, out_dir, args, env):
+def _child(fn, rank, n, init_file, out_dir, args, env, backend="gloo"):
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=n)
+        kwargs = {}
+        if backend == "nccl":      # one GPU per rank (NCCL refuses two ranks on one device)
+            kwargs["device_id"] = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(kwargs["device_id"])
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=n, **kwargs)
         result = fn(rank, n, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -53,13 +58,20 @@ def _wait_all(procs, deadline: float) -> None:
         mp_connection.wait([p.sentinel for p in alive], timeout=left)
 
 
-def run_world(fn, n: int, *args, timeout: float = 120.0, env: dict | None = None) -> list:
-    """fn(rank, world_size, *args) in each of ``n`` gloo processes; their results in rank order."""
+def run_world(fn, n: int, *args, timeout: float = 120.0, env: dict | None = None,
+              backend: str = "gloo") -> list:
+    """fn(rank, world_size, *args) in each of ``n`` processes joined over ``backend`` (gloo, or
+    nccl: one CUDA device per rank); their results in rank order. The children are forked: the
+    caller must not have initialised CUDA (``torch.cuda.is_available()`` does not; any CUDA
+    tensor or ``torch.cuda.set_device`` does), or CUDA refuses to start in them."""
+    if backend == "nccl" and n > torch.cuda.device_count():
+        raise ValueError(f"run_world: {n} NCCL ranks need {n} CUDA devices, "
+                         f"{torch.cuda.device_count()} visible (NCCL refuses two ranks on one GPU)")
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        env = {"OMP_NUM_THREADS": "1", **(env or {})}
-        procs = [ctx.Process(target=_child, args=(fn, r, n, init_file, tmp, args, env))
+        env = {"OMP_NUM_THREADS": "1", "SHARDWISE_CHECK_DEVICES": "1", **(env or {})}
+        procs = [ctx.Process(target=_child, args=(fn, r, n, init_file, tmp, args, env, backend))
                  for r in range(n)]
         for p in procs:
             p.start()

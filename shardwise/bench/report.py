@@ -77,17 +77,34 @@ def _planner(folder: str) -> dict | None:
 
 
 def gpu_table(gpu: dict) -> str:
-    """The single-GPU part (gpu.json of shardwise/bench/gpu.py) as a markdown table."""
-    lines = [f"Device: {gpu.get('device', '?')}; goal: {gpu.get('goal', '-')}.", "",
-             "| size | case | strategy | compiled | tokens/s | MFU | peak CUDA memory | note |",
-             "|---|---|---|---|---|---|---|---|"]
+    """The single-GPU part (gpu.json of shardwise/bench/gpu.py) as markdown: every run, then
+    shardwise / PyTorch per case (medians of the alternating runs)."""
+    m = gpu.get("machine", {})
+    lines = [f"Device: {m.get('gpu') or gpu.get('device', '?')}, driver {m.get('driver', '?')}, "
+             f"torch {m.get('torch', '?')} (CUDA {m.get('cuda_runtime', '?')}); commit "
+             f"{m.get('commit') or '?'}{' (uncommitted changes)' if m.get('dirty') else ''}; "
+             f"{m.get('date', '?')}. Goal: {gpu.get('goal', '-')}.", "",
+             "| size | case | run | tokens/s | step s (min-max) | MFU | peak CUDA memory | "
+             "ledger | ledger gap |", "|---|---|---|---|---|---|---|---|---|"]
     for c in gpu.get("cases", []):
-        if c.get("error"):
-            lines.append(f"| {c['size']} | {c['case']} | - | - | - | - | - | {c['error'][:80]} |")
+        who = f"{c.get('impl', '?')} #{c.get('rep', 0)}"
+        if c.get("error") or c.get("skipped"):
+            note = (c.get("error") or c.get("skipped")).replace("|", "/").splitlines()[0][:90]
+            lines.append(f"| {c['size']} | {c['case']} | {who} | - | - | - | - | - | {note} |")
             continue
         mfu = f"{100 * c['mfu']:.1f}%" if c.get("mfu") is not None else "-"
-        lines.append(f"| {c['size']} | {c['case']} | {c['strategy']} | {c['compiled']} | "
-                     f"{c['tokens_per_s']:,.0f} | {mfu} | {_mib(c.get('peak_memory'))} | |")
+        gap = f"{100 * c['ledger_gap']:+.1f}%" if c.get("ledger_gap") is not None else "-"
+        lines.append(f"| {c['size']} | {c['case']} | {who} | {c['tokens_per_s']:,.0f} | "
+                     f"{c['step_seconds']:.3f} ({c['step_min']:.3f}-{c['step_max']:.3f}) | {mfu} | "
+                     f"{_mib(c.get('peak_memory'))} | {_mib(c.get('ledger_device_bytes'))} | "
+                     f"{gap} |")
+    if gpu.get("ratios"):
+        lines += ["", "| size | case | shardwise tokens/s | PyTorch tokens/s | ratio | runs |",
+                  "|---|---|---|---|---|---|"]
+        for r in gpu["ratios"]:
+            lines.append(f"| {r['size']} | {r['case']} | {r['shardwise_tokens_per_s']:,.0f} | "
+                         f"{r['pytorch_tokens_per_s']:,.0f} | {r['ratio']:.3f} | "
+                         f"{r['runs'][0]} + {r['runs'][1]} |")
     return "\n".join(lines) + "\n"
 
 

@@ -27,15 +27,26 @@ import torch
 from shardwise.comm.collectives import Group
 
 
+def _writer(folder: str):
+    """DCP's file writer without its copy-ahead loader: that loader (used wherever CUDA is
+    present) asks CUDA for its current stream, which initialises CUDA even for a CPU run (and
+    fails in a forked CPU world: "Cannot re-initialize CUDA in forked subprocess"). Every tensor
+    a checkpoint holds is on the CPU already (canonical.py; the rest is bytes): nothing to
+    copy ahead."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    return FileSystemWriter(folder, per_thread_copy_ahead=0)
+
+
 def save(state: dict, folder: str, group: Group) -> None:
     """Write ``state`` (a flat dict of tensors and objects) into ``folder`` from every rank."""
     import torch.distributed.checkpoint as dcp
     if group.pg is None:
         with warnings.catch_warnings():     # "assuming ... a single process": it is one
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, checkpoint_id=folder, no_dist=True)
+            dcp.save(state, checkpoint_id=folder, storage_writer=_writer(folder), no_dist=True)
     else:
-        dcp.save(state, checkpoint_id=folder, process_group=group.pg)
+        dcp.save(state, checkpoint_id=folder, storage_writer=_writer(folder),
+                 process_group=group.pg)
 
 
 def new_save_group(group: Group):
@@ -57,8 +68,10 @@ def save_async(state: dict, folder: str, save_group):
     if save_group is None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            return dcp.async_save(state, checkpoint_id=folder, no_dist=True)
-    return dcp.async_save(state, checkpoint_id=folder, process_group=save_group)
+            return dcp.async_save(state, checkpoint_id=folder, storage_writer=_writer(folder),
+                                  no_dist=True)
+    return dcp.async_save(state, checkpoint_id=folder, storage_writer=_writer(folder),
+                          process_group=save_group)
 
 
 def load(template: dict, folder: str, group: Group | None) -> dict:
@@ -95,10 +108,12 @@ def read_tensors(folder: str, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def read_object(folder: str, key: str, group: Group | None):
-    """One stored object (saved as a BytesIO of torch.save), unpickled."""
+    """One stored object (saved as a BytesIO of torch.save), unpickled with its tensors on the
+    CPU, wherever they were saved (a CUDA run's state read by a CPU run, or on a machine with
+    fewer GPUs, must not touch CUDA); loading copies them onto the run's device."""
     out = load({key: io.BytesIO()}, folder, group)[key]
     out.seek(0)
-    return torch.load(out, weights_only=False)
+    return torch.load(out, map_location="cpu", weights_only=False)
 
 
 def as_bytes(obj) -> io.BytesIO:

@@ -5,7 +5,8 @@ One DCP checkpoint (checkpoint/dcp_io.py) per save, with three parts:
     rank<r>/state     rank r's own state, exactly as its strategy holds it, as opaque bytes
                       (torch.save in memory): ``strategy.state_dict()`` (model or shards,
                       optimizer or its shards, ZeRO masters, ps counters), the loss scaler, and
-                      the rank's RNG states (torch CPU and CUDA, Python ``random``, numpy)
+                      the rank's RNG states (torch CPU, Python ``random``, numpy, and the
+                      rank's own CUDA device's on a CUDA run)
     model/...         the layout-free model (checkpoint/canonical.py), whole, written once
     optim/...         the layout-free optimizer state, where the layout has one (canonical.py)
 
@@ -60,20 +61,37 @@ def layout_key(cfg: Config, world_size: int) -> dict:
             "optimizer": cfg.train.optimizer}
 
 
-def rng_state() -> dict:
+def rng_state(device) -> dict:
+    """This rank's RNG states: torch's CPU generator, Python's ``random``, numpy's and, only when
+    the run's ``device`` is a CUDA device, that device's generator (``"cuda"``: one state, not
+    every visible GPU's). A CPU run makes no CUDA call: a forked CPU world on a machine with
+    GPUs cannot initialise CUDA."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    device = torch.device(device)
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device) -> None:
+    """Restore :func:`rng_state`'s states. The CUDA state goes to the run's own ``device`` only,
+    and only on a CUDA run: a checkpoint saved on CPU leaves the CUDA generator as it is, one
+    saved on CUDA resumed on CPU makes no CUDA call. A list (every visible GPU's state, as
+    checkpoints before this one saved it) gives this device's entry, if it has one: the number
+    of visible GPUs may have changed."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    device, cuda = torch.device(device), state.get("cuda")
+    if cuda is None or device.type != "cuda":
+        return
+    if isinstance(cuda, (list, tuple)):
+        index = device.index if device.index is not None else 0
+        if index >= len(cuda):
+            return
+        cuda = cuda[index]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 def save(engine, cfg: Config, step: int) -> str:
@@ -117,7 +135,7 @@ def _state(strategy, cfg: Config, rt) -> tuple[dict, dict, bool]:
     layout-free optimizer state is in it. Collectives: the strategy's gathers."""
     state = {f"rank{rt.rank}/state": dcp_io.as_bytes({
         "strategy": strategy.state_dict(), "scaler": strategy.scaler.state_dict(),
-        "rng": rng_state()})}
+        "rng": rng_state(rt.device)})}
     tensors = canonical.model_state(strategy, rt.comm, rt.mesh)
     state.update({canonical.MODEL + k: v for k, v in tensors.items()})
     reshard = canonical.why_not_reshardable(cfg) is None
@@ -125,7 +143,7 @@ def _state(strategy, cfg: Config, rt) -> tuple[dict, dict, bool]:
         state.update(canonical.flat_optimizer(strategy.canonical_optimizer_state()))
     state["common/scaler"] = dcp_io.as_bytes(strategy.scaler.state_dict())
     if rt.is_main:                                 # one rank's value per key (DCP dedups)
-        state["common/rng"] = dcp_io.as_bytes(rng_state())
+        state["common/rng"] = dcp_io.as_bytes(rng_state(rt.device))
     return state, tensors, reshard
 
 
@@ -209,10 +227,10 @@ def restore(engine, plan: ResumePlan | None) -> int:
         own = dcp_io.read_object(plan.folder, f"rank{rt.rank}/state", rt.mesh.world)
         strategy.load_state_dict(own["strategy"])
         strategy.scaler.load_state_dict(own["scaler"])
-        set_rng_state(own["rng"])
+        set_rng_state(own["rng"], rt.device)
         return plan.step
     optim = dcp_io.read_tensors(plan.folder, canonical.OPTIM)
     strategy.load_canonical_optimizer_state(canonical.nested_optimizer(optim))
     strategy.scaler.load_state_dict(dcp_io.read_object(plan.folder, "common/scaler", None))
-    set_rng_state(dcp_io.read_object(plan.folder, "common/rng", None))
+    set_rng_state(dcp_io.read_object(plan.folder, "common/rng", None), rt.device)
     return plan.step

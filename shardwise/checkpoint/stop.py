@@ -4,12 +4,12 @@ with a checkpoint of that step.
 shardwise/stopping.py's handler raises :class:`~shardwise.stopping.Stopped` at once, wherever
 the rank is (inside a collective, half-way through an optimizer step): no state to save there.
 Inside :class:`DeferredStop` the signal is only recorded; after each step the ranks agree on
-whether any rank was asked to stop (one scalar all-reduce over the world, metered as
-'metrics'), and if so every rank saves the checkpoint of that step and then raises ``Stopped``
-through the handler that was installed before (so the CLI reports the stop as usual). A rank
-signalled alone (only one got Ctrl-C) stops the others with it. The save has the launcher's
-grace period (stopping.GRACE_SECONDS, 6 s) to finish before what is left is killed; a stop
-during a save is taken after it.
+whether any rank was asked to stop (one scalar all-reduce over the world, on the run's
+device, metered as 'metrics'), and if so every rank saves the checkpoint of that step and then
+raises ``Stopped`` through the handler that was installed before (so the CLI reports the stop as
+usual). A rank signalled alone (only one got Ctrl-C) stops the others with it. The save has
+the launcher's grace period (stopping.GRACE_SECONDS, 6 s) to finish before what is left is
+killed; a stop during a save is taken after it.
 """
 from __future__ import annotations
 
@@ -48,10 +48,11 @@ class DeferredStop:
             self.signum = signum
 
     def agreed(self, comm, world) -> int | None:
-        """Every rank: the signal any rank received (the largest number), or None."""
+        """Every rank: the signal any rank received (the largest number), or None. The flag
+        lives on ``comm.device`` (the run's compute device: NCCL reduces device tensors only)."""
         if not self.enabled:
             return None
-        flag = torch.tensor([float(self.signum or 0)])
+        flag = torch.tensor([float(self.signum or 0)], device=comm.device)
         comm.all_reduce(flag, world, op="max", name="metrics")
         return int(flag.item()) or None
 

@@ -16,7 +16,7 @@ action while they drain, waiting for them all at the end of the step.
 
 NCCL: separate ``isend`` / ``irecv`` calls to one peer share that pair's communicator and
 stream, so two stages that each post a receive before their send wait for each other forever.
-On an NCCL group (or CUDA tensors) a batch is therefore launched as one
+On an NCCL group a batch is therefore launched as one
 ``torch.distributed.batch_isend_irecv`` (NCCL groups the calls: ``ncclGroupStart/End``), whose
 Works complete together: every op of the batch waits on them all (on CUDA a wait only orders
 the current stream after the transfer; the host does not block). Gloo keeps one isend / irecv
@@ -47,9 +47,9 @@ class P2POp:
 
 
 def grouped(group: Group, tensors: list[torch.Tensor]) -> bool:
-    """Whether a batch on ``group`` must be launched as one grouped call (NCCL, or CUDA data)."""
-    if any(t.is_cuda for t in tensors):
-        return True
+    """Whether a batch on ``group`` must be launched as one grouped call: on NCCL. A gloo group
+    posts op by op through Comm, also for CUDA tensors (which Comm stages through host memory:
+    gloo aborts on device memory)."""
     return group.pg is not None and dist.get_backend(group.pg) == "nccl"
 
 

@@ -1,5 +1,6 @@
 """Parameter-server transport: task names, the byte-balanced parameter split, and point-to-point
-links between each ps task and each worker, over torch.distributed (gloo or NCCL).
+links between each ps task and each worker, over torch.distributed gloo groups (in a CUDA /
+NCCL run too: see "Backend and device of the links" below).
 
 Why point-to-point and not ``torch.distributed.rpc``: the RPC package has had no real development
 for years (TensorPipe is archived) and does not run on every build; the ps protocol needs only
@@ -24,13 +25,21 @@ Messages are flat fp32 tensors ``[header | payload]``:
                            worker's push (fp16 overflow: the worker halves its loss scale)
 Metered under the op names ``ps_push`` and ``ps_pull`` (exact bytes, both ends).
 
-Device of the messages (``wire_device``): gloo moves CPU tensors, NCCL only CUDA tensors, so the
-buffers live on CPU under gloo (whatever the training device; unchanged behaviour) and on the
-rank's own CUDA device under NCCL. ``pack`` / ``unpack`` copy across devices. The NCCL path has
-NOT run: it is written from the torch.distributed contract, with no GPU on the machine where it
-was built. Points to check on one: a receiver thread's ``wait()`` on NCCL orders the CUDA stream,
-not the host, so the ps's first read of a message (its header, ``int(msg[0])``) is what
-synchronises; and NCCL's ``wait(timeout)`` does not report a hung peer the way gloo's does.
+Backend and device of the links (``link_plan``): always gloo, on CPU tensors, whatever the
+world's backend and the training device. Under NCCL (a CUDA run) each link is a gloo side group
+created collectively like the rest (every rank, one order); the messages are packed from the
+GPU into host buffers and unpacked back (``pack`` / ``unpack`` copy across devices), and the
+world's own collectives (start-up broadcast, evaluation, gathers) stay on NCCL. Why not the
+links on NCCL: a receiver thread's NCCL ``irecv().wait()`` does not block the host (it only
+orders a CUDA stream), so the thread would post every receive of the run at once into one
+buffer and hand the ps messages not yet arrived; 2PW communicators driven from several
+threads, in a different order on each rank, is the concurrent use NCCL's documentation warns can
+deadlock the GPU; and a hung or dead peer on NCCL takes the process down (the watchdog) instead
+of failing one link. Gloo's receive blocks the
+host until the bytes are there, which is what the receiver threads and the failure handling
+above are built on (the CPU path, tested). Cost under CUDA: one device-to-host copy per message
+sent and one host-to-device copy per message received, and the traffic goes through host memory
+and TCP instead of NVLink: the ps moves about K bytes per worker per step either way.
 """
 from __future__ import annotations
 
@@ -46,14 +55,15 @@ from shardwise.comm.collectives import Comm, Group
 HEADER = 4
 
 
-def wire_device(device: torch.device, backend: str) -> torch.device:
-    """Where this rank's ps messages live: its CUDA device under NCCL (which moves only CUDA
-    tensors), CPU under gloo (the CPU path is unchanged). Untested on NCCL (module docstring)."""
-    if backend != "nccl":
-        return torch.device("cpu")
-    if torch.device(device).type != "cuda":
-        raise ValueError(f"ps transport: the NCCL backend needs a CUDA device, got {device}")
-    return torch.device(device)
+LINK_BACKEND = "gloo"
+"""The backend of every ps link (and of the ps tasks' own group): see the module docstring."""
+
+
+def link_plan(device: torch.device, world_backend: str) -> tuple[str, torch.device]:
+    """(backend of the ps links, device of their messages) for a rank training on ``device`` in
+    a world on ``world_backend``: gloo on CPU in every case, NCCL / CUDA included (module
+    docstring: a receive must complete on the host before its buffer is read and reused)."""
+    return LINK_BACKEND, torch.device("cpu")
 
 
 def task_name(rank: int, num_ps: int) -> str:
@@ -109,27 +119,29 @@ class Links:
     def __init__(self, num_ps: int, num_workers: int, rank: int, servers_group: bool = False,
                  device: torch.device = torch.device("cpu")):
         self.num_ps, self.num_workers, self.rank = num_ps, num_workers, rank
-        # messages on the backend's device (wire_device): CPU for gloo, the rank's GPU for NCCL
-        self.device = wire_device(device, dist.get_backend())
+        # gloo groups, CPU messages, whatever the world's backend (link_plan)
+        backend, self.device = link_plan(device, dist.get_backend())
         self.push, self.pull = {}, {}
         for j in range(num_ps):
             for w in range(num_workers):
                 members = [j, num_ps + w]
                 for table in (self.push, self.pull):
-                    pg = dist.new_group(members)  # collective over the world: all ranks call it
+                    # collective over the world: all ranks call it, in this order
+                    pg = dist.new_group(members, backend=backend)
                     if rank in members:
                         table[(j, w)] = pg
-        # the ps tasks among themselves (global gradient norm); None on workers
+        # the ps tasks among themselves (global gradient norm, summed from the CPU messages);
+        # None on workers
         self.servers = None
         if servers_group and num_ps > 1:
-            pg = dist.new_group(list(range(num_ps)))
+            pg = dist.new_group(list(range(num_ps)), backend=backend)
             if rank < num_ps:
                 self.servers = Group(pg, tuple(range(num_ps)), rank)
         elif servers_group and rank == 0:
             self.servers = Group.solo(0)
 
     def empty(self, numel: int) -> torch.Tensor:
-        """A flat fp32 message buffer on the wire device."""
+        """A flat fp32 message buffer on the links' device (CPU)."""
         return torch.empty(numel, device=self.device)
 
     def peer(self, j: int, w: int) -> int:

@@ -12,8 +12,9 @@ explicit ``shm`` that cannot apply stops with the reason.
 
 The ring is a sequence of blocking sends and receives; to overlap it with backward it runs on
 one background thread, which also keeps every rank's collectives in the order they were
-launched (point-to-point matching needs the same order on every rank). Either way the caller
-gets a Work to ``wait()``; a blocking call (``async_op=False``) has already waited.
+launched (point-to-point matching needs the same order on every rank); under NCCL it runs on
+the calling thread instead (one order of calls per communicator: comm/ring.py). Either way the
+caller gets a Work to ``wait()``; a blocking call (``async_op=False``) has already waited.
 """
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 import torch
+import torch.distributed as dist
 
 from shardwise.comm.collectives import Comm, Group, Work
 from shardwise.comm.p2p import P2POp, post
@@ -139,33 +140,69 @@ class _FutureWork:
         self.future.result(timeout.total_seconds() if timeout is not None else None)
 
 
-class RingRunner:
-    """Runs ring collectives asynchronously, in launch order, on one background thread.
+def on_calling_thread(group: Group, tensors: list[torch.Tensor]) -> bool:
+    """Whether a ring call on ``group`` must run on the caller's thread: on NCCL (or CUDA data).
 
-    The backend's collectives are asynchronous by themselves; the ring is a sequence of blocking
-    steps, so to overlap it with backward (DDP, ZeRO) it runs on a thread of its own. One thread
-    keeps every rank's ring calls in the same order, which point-to-point matching requires.
+    NCCL requires every rank to issue the operations of one communicator in one order. A ring
+    posted from a background thread while the caller goes on issuing the group's collectives
+    interleaves the two streams of calls differently on each rank: a hang. (A thread would also
+    launch on its own current CUDA stream, unordered with the caller's kernels that produced the
+    tensor.) On the caller's thread the ring's calls take their place in the one program order
+    every rank shares. Its waits order the caller's stream after each transfer (NCCL blocks the
+    host too when the wait has a timeout, as the Comm's has), so it overlaps backward less than
+    on gloo, but never out of order. Gloo matches sends and receives apart from its collectives:
+    there the thread stays.
+    """
+    if any(t.is_cuda for t in tensors):
+        return True
+    return group.pg is not None and dist.get_backend(group.pg) == "nccl"
+
+
+class RingRunner:
+    """Runs ring collectives asynchronously, in launch order: on one background thread under
+    gloo, on the calling thread under NCCL (``on_calling_thread`` says why).
+
+    On gloo the ring is a sequence of steps that block the host, so to overlap it with backward
+    (DDP, ZeRO) it runs on a thread of its own. One thread keeps every rank's ring calls in the
+    same order, which point-to-point matching requires; gloo matches its sends and receives
+    apart from its collectives, so the caller's collectives on the same group may run meanwhile.
+    On NCCL every call is made, in order, by the caller; the Work it returns is already launched
+    (its ``wait()`` raises what the ring raised, as a thread's would).
     """
 
     def __init__(self, comm: Comm):
         self.comm = comm
+        # the thread starts at the first call that needs it (never under NCCL)
         self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-ring")
+        self._last: cf.Future | None = None   # the newest call handed to the thread
 
     def all_reduce(self, t: torch.Tensor, group: Group, op: str = "sum",
                    name: str = "ring_all_reduce") -> Work:
-        return self._submit(name, ring_all_reduce, self.comm, t, group, op, name)
+        return self._submit(name, on_calling_thread(group, [t]), ring_all_reduce, self.comm, t,
+                            group, op, name)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: Group, op: str = "sum",
                        name: str = "ring_reduce_scatter") -> Work:
-        return self._submit(name, ring_reduce_scatter, self.comm, out, inp, group, op, name)
+        return self._submit(name, on_calling_thread(group, [out, inp]), ring_reduce_scatter,
+                            self.comm, out, inp, group, op, name)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: Group,
                    name: str = "ring_all_gather") -> Work:
-        return self._submit(name, ring_all_gather, self.comm, out, inp, group, name)
+        return self._submit(name, on_calling_thread(group, [out, inp]), ring_all_gather,
+                            self.comm, out, inp, group, name)
 
-    def _submit(self, name: str, fn, *args) -> Work:
-        return Work(_FutureWork(self.pool.submit(fn, *args)), self.comm.meter, name,
-                    timeout=self.comm.timeout)
+    def _submit(self, name: str, inline: bool, fn, *args) -> Work:
+        if inline:
+            if self._last is not None:  # the thread's earlier calls first: one order everywhere
+                cf.wait([self._last])
+            future: cf.Future = cf.Future()
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:    # raised at wait(), as the thread's would be
+                future.set_exception(exc)
+        else:
+            future = self._last = self.pool.submit(fn, *args)
+        return Work(_FutureWork(future), self.comm.meter, name, timeout=self.comm.timeout)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

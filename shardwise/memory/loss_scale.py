@@ -63,8 +63,14 @@ class LossScaler:
 
 def has_nonfinite(tensors, device: torch.device) -> torch.Tensor:
     """1.0 when any entry of ``tensors`` is inf or nan, else 0.0: a one-element fp32 tensor on
-    ``device``, ready to be all-reduced with max (no host sync until the verdict is read)."""
-    checks = [torch.isfinite(t).all() for t in tensors if t is not None and t.numel()]
+    ``device``, ready to be all-reduced with max (no host sync until the verdict is read).
+    The tensors may live on several devices (one-process DP's replicas on cuda:0, cuda:1, ...):
+    each device's flags are combined there, and one flag per device is brought to ``device``."""
+    checks: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            checks.setdefault(t.device, []).append(torch.isfinite(t).all())
     if not checks:
         return torch.zeros(1, device=device)
-    return (~torch.stack(checks).all()).float().reshape(1).to(device)
+    finite = [torch.stack(flags).all().to(device) for flags in checks.values()]   # one a device
+    return (~torch.stack(finite).all()).float().reshape(1)

@@ -3,19 +3,38 @@
 :class:`OffloadStore` hands out zero-filled fp32 tensors in one of three places:
 
     none   on the training device (no offload)
-    cpu    in CPU memory (pinned when CUDA is present, so copies to and from the GPU are fast);
-           on a GPU this takes masters and optimizer states off the device, and the optimizer
-           step runs on the CPU (ZeRO-Offload, Ren et al. 2021)
+    cpu    in CPU memory; on a GPU this takes masters and optimizer states off the device, and
+           the optimizer step runs on the CPU (ZeRO-Offload, Ren et al. 2021)
     disk   in numpy memory-mapped files (in ``directory``, or the temporary directory); each file
            is unlinked as soon as it is mapped, so nothing is left behind however the process
-           ends (the kernel frees the space when the mapping goes); after each chunk of the optimizer step the store writes the
-           chunk's pages back and drops them from this process's memory (madvise DONTNEED), so
-           resident memory holds only the chunk being stepped (ZeRO-Infinity's NVMe tier, in
-           miniature). The kernel's page cache may still keep the file's pages; it is not part
+           ends (the kernel frees the space when the mapping goes); after each chunk of the
+           optimizer step the store writes the chunk's pages back and drops them from this
+           process's memory (madvise DONTNEED), so resident memory holds only the chunk being
+           stepped (ZeRO-Infinity's NVMe tier, in miniature). The kernel's page cache may still keep the file's pages; it is not part
            of this process's resident set and is given up under memory pressure.
 
 The math is the same in all three places: a tensor from the store is an ordinary torch tensor
 (``torch.from_numpy`` of the memmap for disk), so torch.optim runs on it unchanged.
+
+Pinning (``cpu`` only, and only when the run's device is CUDA: a CPU run never touches CUDA, so
+a forked CPU world on a GPU machine still starts). A tensor asked for with ``pin=True`` (what is
+copied to the device every step: the masters) is an anonymous memory mapping of exactly its
+bytes (page-aligned, so no two registrations share a page) registered with
+``cudaHostRegister``, not torch's caching host allocator, which rounds a request up to a power
+of two and keeps freed blocks: the pinned bytes are the bytes the memory ledger counts (plus
+less than one 4 KiB page per tensor for the mapping's last page), and :meth:`close`
+unregisters them. Optimizer states are stepped on the CPU and never copied: they stay
+ordinary memory.
+
+Copies to the device (:meth:`to_device`) are ``non_blocking`` from the host: the host does not
+wait for the DMA (the chunk's all-gather is queued behind it on the stream). The host must not
+write a pinned source before its copy finished: :meth:`wait_copies` (a CUDA event, recorded
+after the last copy) is called at the end of the optimizer step, so anything after the step
+(the next step, a state load) may write the masters. From pageable memory (disk; or a 16-bit
+working dtype, whose cast torch makes on the host into a temporary, so only fp32 runs copy
+straight from the pinned master) CUDA returns once the source was read, so nothing can race.
+Copies from the device (a gradient shard, parallel/data/zero_grads.py) stay blocking: the CPU
+step reads them at once, so there is nothing to overlap them with.
 """
 from __future__ import annotations
 
@@ -39,6 +58,9 @@ class OffloadStore:
         self._maps: dict[int, np.memmap] = {}   # data_ptr -> memmap (disk)
         self._tensors: list[torch.Tensor] = []
         self._ptrs: set[int] = set()       # data pointers of _tensors: owns() is checked per step
+        self._pins: list[tuple[int, mmap.mmap]] = []   # (address, mapping) registered with CUDA
+        self._copied = None                # CUDA event after the last non-blocking copy
+        self.pinning = place == "cpu" and device.type == "cuda"   # never on a CPU run
         self.directory = directory
         if place == "disk" and directory:
             os.makedirs(directory, exist_ok=True)
@@ -48,13 +70,15 @@ class OffloadStore:
         """Where the optimizer step runs: the training device without offload, else the CPU."""
         return self.device if self.place == "none" else torch.device("cpu")
 
-    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A zero-filled 1-D tensor of ``numel`` elements in this store's place."""
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32, pin: bool = False
+              ) -> torch.Tensor:
+        """A zero-filled 1-D tensor of ``numel`` elements in this store's place; ``pin``: it is
+        copied to the device each step, so pin it (``cpu`` place on a CUDA run only)."""
         if self.place == "none":
             t = torch.zeros(numel, dtype=dtype, device=self.device)
         elif self.place == "cpu":
-            pin = torch.cuda.is_available()
-            t = torch.zeros(numel, dtype=dtype, pin_memory=pin)
+            t = self._pinned(numel, dtype) if pin and self.pinning and numel else \
+                torch.zeros(numel, dtype=dtype)
         else:
             if dtype != torch.float32:
                 raise ValueError("disk offload holds fp32 tensors only")
@@ -68,6 +92,36 @@ class OffloadStore:
         self._tensors.append(t)
         self._ptrs.add(t.data_ptr())
         return t
+
+    def _pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Exactly ``numel`` values of page-locked memory: an anonymous mapping (zero-filled,
+        page-aligned) registered with CUDA; unregistered by :meth:`close`."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        m = mmap.mmap(-1, nbytes)
+        t = torch.frombuffer(m, dtype=dtype, count=numel)
+        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
+        if err != 0:
+            raise RuntimeError(f"offload=cpu: pinning {nbytes} bytes of host memory failed "
+                               f"(cudaError {err}); fix: free host memory, raise the locked-"
+                               "memory limit (ulimit -l), or use --offload disk")
+        self._pins.append((t.data_ptr(), m))
+        return t
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst (on the device) <- src (from this store): non-blocking on CUDA; the host may write
+        ``src`` again after :meth:`wait_copies`."""
+        if dst.device.type != "cuda" or src.device.type != "cpu":   # no host copy to wait for
+            dst.copy_(src)
+            return
+        dst.copy_(src, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record(torch.cuda.current_stream(dst.device))
+
+    def wait_copies(self) -> None:
+        """Block the host until every :meth:`to_device` copy has read its source."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def zeros_like(self, t: torch.Tensor) -> torch.Tensor:
         return self.zeros(t.numel(), torch.float32).view(t.shape)
@@ -107,7 +161,12 @@ class OffloadStore:
         return sum(m.nbytes for m in self._maps.values())
 
     def close(self) -> None:
-        """Forget the tensors (the unlinked files vanish with their last mapping)."""
+        """Forget the tensors (the unlinked files vanish with their last mapping) and give the
+        pinned pages back to the system (a tensor still held elsewhere stays valid, unpinned)."""
+        self.wait_copies()
+        for ptr, _ in self._pins:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._pins.clear()
         self._tensors.clear()
         self._ptrs.clear()
         self._maps.clear()

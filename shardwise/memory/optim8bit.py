@@ -34,8 +34,12 @@ updated in place).
 Error. With nearest codes, |x - s MAP[code]| <= s * gap / 2, where gap is the widest step between
 neighbouring codes: 0.9 / 64 in the signed map, 0.9 / 128 in the unsigned (their top decades).
 
-``make_adamw8bit`` returns bitsandbytes' CUDA kernels when it can and this class otherwise: ours
-is the one used on CPU (and on GPU without bitsandbytes).
+``make_adamw8bit`` (``--optimizer adamw8bit``) always returns this class, on every device, so the
+state keys (``codes``, ``absmax``, ``step``) are the same everywhere: the memory report, ZeRO's
+offload (which rebuilds the optimizer over CPU master views) and layout-free checkpoints read
+them. bitsandbytes is never substituted (its states are ``state1`` / ``state2`` / ``qmap1``...,
+fp32 below 4096 values, and its kernels need the parameters on CUDA): a user who wants it
+passes ``bitsandbytes.optim.AdamW8bit`` as their own optimizer factory.
 """
 from __future__ import annotations
 
@@ -275,26 +279,7 @@ def _listed(group):
     return dict(group, params=[ps] if torch.is_tensor(ps) else list(ps))
 
 
-def _all_on_cuda(tensors: list[torch.Tensor]) -> bool:   # a function, so a test can pretend
-    return bool(tensors) and all(t.is_cuda for t in tensors)
-
-
 def make_adamw8bit(params, **kw) -> torch.optim.Optimizer:
-    """bitsandbytes.optim.AdamW8bit where it can honour the call, else ours (so always on CPU).
-
-    bitsandbytes is used when it imports, every parameter is on CUDA, and neither ``block_size``
-    (its block is fixed) nor ``decoupled=False`` (it decays decoupled only) is asked for. Our
-    defaults go with it (weight_decay 0.0, not its 1e-2). Note that bitsandbytes keeps tensors
-    under 4096 values in fp32 (its min_8bit_size), where ours quantises every tensor.
-    """
-    groups = [_listed(g) for g in params]     # read a generator once, use it twice
-    tensors = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
-    if not _all_on_cuda(tensors) or "block_size" in kw or not kw.get("decoupled", True):
-        return AdamW8bit(groups, **kw)
-    try:
-        import bitsandbytes
-    except ImportError:
-        return AdamW8bit(groups, **kw)
-    kw.pop("decoupled", None)
-    kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0) | kw
-    return bitsandbytes.optim.AdamW8bit(groups, **kw)
+    """``--optimizer adamw8bit``: shardwise's :class:`AdamW8bit` on every device (the module
+    docstring says why bitsandbytes is never substituted)."""
+    return AdamW8bit([_listed(g) for g in params], **kw)

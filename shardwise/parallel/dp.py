@@ -14,6 +14,10 @@ Buffers (BatchNorm statistics) are copied from replica 0 to the others before ea
 forward, as DDP broadcasts them from dp rank 0. Clipping (``train.grad_clip``) runs on the mean
 gradient, after the reduction: the norm is replica 0's, every replica is scaled the same.
 
+fp16: one loss scale for all replicas; the overflow check reads every replica's gradients, each
+device's flags combined on that device and one flag per device brought to the first
+(memory/loss_scale.py's ``has_nonfinite``), so replicas on cuda:0..k-1 agree on skipping a step.
+
 Memory: k full copies of parameters, gradients and optimizer state in one process.
 Traffic per step: replica 0 receives (k-1) x 4P bytes and sends (k-1) x 4P bytes; metered as
 ``dp_reduce`` and ``dp_broadcast`` from replica 0's point of view.

@@ -44,7 +44,8 @@ The verdict is the worker's own check of its own gradients: no collective is add
 Traffic per step (K = model bytes): each worker pushes its gradients (K in all, K/P to each ps)
 and pulls the parameters (K); the busiest ps task receives and sends about W*K/P each way, against
 2(N-1)/N*K per rank for a ring allreduce. Transport: point-to-point over torch.distributed
-(comm/ps_transport.py, which says why not torch RPC), metered as ``ps_push`` / ``ps_pull``.
+(comm/ps_transport.py: why not torch RPC; why gloo on CPU, in a CUDA / NCCL run too), metered as
+``ps_push`` / ``ps_pull``. The world collectives here (start, evaluation, gathers): run's device.
 
 Memory per rank: a worker P + G (full parameters and gradients, no optimizer states); a ps task
 its share of P, G and the optimizer states (~K/P each), plus the model replica the training loop
@@ -222,7 +223,7 @@ class ParameterServerStrategy(Strategy):
     def gather_params(self) -> None:
         """Every rank's model takes the ps tasks' current parameters (one broadcast per ps)."""
         for j, shard in enumerate(self.shards):
-            flat = self.links.empty(self.msg_numel[j])   # on the backend's device
+            flat = torch.empty(self.msg_numel[j], device=self.device)  # world: not the links
             if self.mesh.rank == j:
                 pack((0.0,) * HEADER, shard + self._extras(j), flat)
             self.comm.broadcast(flat, j, self.mesh.world, name="ps_gather")
@@ -233,7 +234,7 @@ class ParameterServerStrategy(Strategy):
         """Mean loss (and accuracy) of the current ps parameters over the workers' rows (``x``
         a tensor, tuple or dict; ``y`` None with ``loss_from``)."""
         self.gather_params()
-        sums = torch.zeros(3, device=self.links.device)  # (loss, accuracy, workers) over the world
+        sums = torch.zeros(3, device=self.device)  # (loss, accuracy, workers) over the world
         acc = False
         if not self.is_ps:
             self.model.eval()
@@ -244,7 +245,7 @@ class ParameterServerStrategy(Strategy):
             sums[0] = self.loss_fn(as_float(out), y)
             sums[1] = (out.argmax(-1) == y).float().mean() if acc else 0.0
             sums[2] = 1.0
-        flag = torch.tensor([float(acc)], device=self.links.device)
+        flag = torch.tensor([float(acc)], device=self.device)
         self.comm.all_reduce(sums, self.mesh.world, name="metrics")
         self.comm.all_reduce(flag, self.mesh.world, op="max", name="metrics")
         return float(sums[0] / sums[2]), (float(sums[1] / sums[2]) if float(flag) else None)

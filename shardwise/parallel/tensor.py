@@ -56,16 +56,17 @@ class ShardSpec:
     parts: int = 1
 
 
-def _rows(spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
-    """Indices along spec.dim that tp rank ``rank`` keeps."""
+def _rows(spec: ShardSpec, rank: int, size: int, device=None) -> torch.Tensor:
+    """Indices along spec.dim that tp rank ``rank`` keeps, on ``device`` (the sliced tensor's:
+    CUDA's index_select refuses an index on another device)."""
     start, end = shard_range(spec.full, rank, size)
-    return torch.cat([torch.arange(j * spec.full + start, j * spec.full + end)
+    return torch.cat([torch.arange(j * spec.full + start, j * spec.full + end, device=device)
                       for j in range(spec.parts)])
 
 
 def shard_tensor(t: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
-    """This rank's piece of a full tensor (a copy)."""
-    return t.detach().index_select(spec.dim, _rows(spec, rank, size)).clone()
+    """This rank's piece of a full tensor (a copy, on the tensor's own device)."""
+    return t.detach().index_select(spec.dim, _rows(spec, rank, size, t.device)).clone()
 
 
 def _like(t: torch.Tensor, original: nn.Parameter) -> nn.Parameter:

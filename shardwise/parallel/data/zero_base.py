@@ -134,7 +134,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         if self.dtype == torch.float32 and self.store.place == "none":
             master = shard                               # the shard itself: no copy in fp32
         else:
-            master = self.store.zeros(layout.shard_numel)
+            master = self.store.zeros(layout.shard_numel, pin=True)   # copied each step
             master.copy_(layout.shard(fp32, rank))       # from fp32 weights, before any cast
         groups = [self._groups.index[p] for p in params]
         masters = [(g, lo, hi, nn.Parameter(master[lo:hi]))
@@ -272,10 +272,11 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
                 state = self.optimizer.state.get(view, {})
                 self.store.adopt_state(state)
                 states += [v for v in state.values() if torch.is_tensor(v)]
-            if c.master.data_ptr() != c.shard.data_ptr():
-                c.shard.copy_(c.master)                    # fp32 -> working dtype / device
+            if c.master.data_ptr() != c.shard.data_ptr():   # fp32 -> working dtype / device
+                self.store.to_device(c.shard, c.master)       # non-blocking on CUDA
             self.store.release([c.master, *states])
             self._after_chunk_step(i)
+        self.store.wait_copies()        # the masters may be written again (offload.py)
 
     @torch.no_grad()
     def _sync_buffers(self) -> None:

@@ -22,7 +22,9 @@ Per unit and step:
     backward  output-gradient hook: all-gather the unit again, start the previous unit's
               all-gather; gradients accumulate into the unit's staging buffer (zero_base.py);
               when the last one arrives, free the unit and reduce-scatter the buffer into this
-              rank's gradient shard, blocking (as FSDP2 on CPU), and free the buffer
+              rank's gradient shard: on CPU blocking (as FSDP2 there), then free the buffer;
+              on CUDA asynchronously (``reduce_scatter_async``), waited when a third gradient
+              buffer would be needed (zero_grads.py) or before the step
     step      wait for the reduce-scatters, step each unit's fp32 master shard (zero_base.py);
               nothing to gather: the next forward gathers
 
@@ -34,7 +36,10 @@ to an accumulated shard; zero_grads.py allows two buffers), and on gloo the back
 whole-size copy of each collective in flight (zero_ledger.py). Measured at 57M parameters
 (shardwise/bench/memory.py): an asynchronous reduce-scatter kept its buffer and gloo's copy alive
 through the next unit's backward, beside that unit, the prefetched one and its filling buffer
-(peak 1.08x FSDP2's); blocking it (the prefetch still overlaps) brought it to 1.0x. Traffic per
+(peak 1.08x FSDP2's); blocking it (the prefetch still overlaps) brought it to 1.0x, so it blocks
+on CPU. On CUDA a blocking reduce-scatter would make the compute stream wait for NCCL's after
+every unit, serialising communication with the rest of backward; there it runs asynchronously
+and costs at most the one extra whole-size buffer ``MAX_GRAD_BUFFERS`` allows. Traffic per
 step: 3(N-1)/N K (two all-gathers and one reduce-scatter), 1.5x DDP. With ``overlap`` off nothing
 is prefetched and every collective blocks. Reference: ZeRO (SC 2020), "P_os+g+p"; Zhao et al.,
 "PyTorch FSDP" (VLDB 2023) for the unit / prefetch / reshard-after-forward structure.
@@ -117,6 +122,14 @@ def split_units(model: nn.Module, classes: list[str] | None = None,
     return units
 
 
+def reduce_scatter_async(overlap: bool, device) -> bool:
+    """Whether ZeRO-3 launches a unit's backward reduce-scatter asynchronously: with ``overlap``
+    on CUDA, where a blocking NCCL call makes the compute stream wait for it (so the next unit's
+    backward cannot overlap it). On CPU it blocks: measured faster there, and at 1.0x FSDP2's
+    peak memory instead of 1.08x (module docstring)."""
+    return overlap and torch.device(device).type == "cuda"
+
+
 def _tensors(obj) -> list[torch.Tensor]:
     """Every tensor inside a nested output (tuples, dicts, Hugging Face ModelOutput)."""
     return [t for t in tree_flatten(obj)[0] if torch.is_tensor(t)]
@@ -127,7 +140,8 @@ class Zero3Strategy(ZeroBase):
 
     Partition: rank r owns slice r of every unit's flat parameters, gradients, fp32 masters and
     optimizer state. Collectives: all-gather per unit before forward and again before backward
-    (prefetching the next unit), reduce-scatter per unit after its backward (blocking). Memory
+    (prefetching the next unit), reduce-scatter per unit after its backward (blocking on CPU,
+    asynchronous on CUDA: ``reduce_scatter_async``). Memory
     per rank: 16P/N (Adam, mixed precision or fp32) + two whole units and one gradient buffer (at
     most two), and gloo's copies of collectives in flight. Traffic
     per step: 3(N-1)/N K, 1.5x DDP. Reference: ZeRO (SC 2020), "P_os+g+p".
@@ -139,6 +153,7 @@ class Zero3Strategy(ZeroBase):
         names = getattr(self.cfg.parallel, "zero3_units", "")
         classes = [c.strip() for c in names.split(",") if c.strip()] or block_class_names(model)
         self.units = split_units(self.model, classes, trainable_only=True)
+        self._rs_async = reduce_scatter_async(self.overlap, self.device)
         for index, (module, params) in enumerate(self.units):
             c = self._make_chunk(params, full_sharded=True)
             free_storage(c.full)
@@ -211,13 +226,14 @@ class Zero3Strategy(ZeroBase):
 
     def _chunk_ready(self, index: int) -> None:
         """Every gradient of the unit is in its staging buffer: free the unit, reduce-scatter.
-        The reduce-scatter blocks (as FSDP2's does on CPU): in flight it would keep the staging
-        buffer and the backend's whole-size copy alive across the next unit's backward, beside
+        On CPU the reduce-scatter blocks (as FSDP2's does there): in flight it would keep the
+        staging buffer and gloo's whole-size copy alive across the next unit's backward, beside
         that unit, the prefetched one and the next staging buffer; the overlap kept in backward
-        is the prefetched all-gather, which runs during the unit's own backward."""
+        is the prefetched all-gather, which runs during the unit's own backward. On CUDA it is
+        launched asynchronously (``reduce_scatter_async``) and waited later (zero_grads.py)."""
         c = self.chunks[index]
         self._free(c)
-        self._reduce_staged(c, async_op=False)
+        self._reduce_staged(c, async_op=self._rs_async)
         c.extra["backward"] = False
 
     def _after_backward(self) -> None:
