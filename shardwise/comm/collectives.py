@@ -16,7 +16,8 @@ implementation on K bytes among N ranks, the figure the literature uses:
     send / recv     exactly the tensor's bytes
 
 shardwise's own ring (comm/ring.py) is built from send / recv, so its meter shows the bytes that
-really moved. Nothing here touches a device (no synchronize): the backend orders the work.
+really moved. Nothing here synchronises a device (the backend orders the work), but for the copies
+of gloo's staging (below).
 
 Waiting (``Comm(spin=True)``). A blocking wait sleeps the thread on a condition variable
 until gloo's worker finishes. On a virtual machine whose cores sleep when idle, that costs
@@ -37,8 +38,9 @@ timeout only orders the caller's CUDA stream after the collective and returns at
 NCCL Work is always waited without a timeout (and never polled), blocking or not. NCCL stalls
 are still bounded: runtime.py passes ``train.collective_timeout`` to ``init_process_group`` for
 NCCL too, and NCCL's watchdog thread, which checks every collective in flight against that
-timeout, aborts the process when one outlives it (``TORCH_NCCL_ASYNC_ERROR_HANDLING``: torch's
-default, 3, tears the process down; do not set it to 0, which leaves a stalled rank hanging).
+timeout, tears the process down when one outlives it (``TORCH_NCCL_ASYNC_ERROR_HANDLING``:
+torch's default, 3, does; 0 would leave a stalled rank hanging, and ``TORCH_NCCL_BLOCKING_WAIT=1``
+would make every wait block the host again: leave both unset).
 A stalled NCCL rank therefore dies with the watchdog's timeout message instead of raising
 :class:`CollectiveError`, which stays gloo's (and the ring's) report of a stall.
 
@@ -167,8 +169,9 @@ class Work:
     def __init__(self, work, meter: CommMeter | None, op: str, after=None, timeout=None,
                  spin: bool = False):
         self._work, self._meter, self._op, self._after = work, meter, op, after
-        self._timeout = timeout   # timedelta: an async wait gives up after it (gloo's own
-                                  # process-group timeout does not bound an async wait)
+        self._timeout = timeout   # timedelta: an async gloo wait gives up after it (gloo's
+                                  # process-group timeout does not bound an async wait); None
+                                  # for NCCL, whose timed wait spins the host (module docstring)
         self._spin = spin         # poll is_completed() instead of sleeping (module docstring)
 
     def _poll(self) -> None:

@@ -90,7 +90,8 @@ def post(comm: Comm, group: Group, ops: list[P2POp], transport=None) -> list[Wor
         k = op.tensor.numel() * op.tensor.element_size()
         comm.meter.record(op.name, k if op.kind == "send" else 0, k if op.kind == "recv" else 0,
                           seconds)
-        works.append(Work(batch, comm.meter, op.name, timeout=comm.timeout))
+        works.append(Work(batch, comm.meter, op.name,
+                          timeout=comm.wait_timeout(group, op.tensor.device)))
     return works
 
 

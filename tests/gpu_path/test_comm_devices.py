@@ -110,7 +110,8 @@ def test_init_runtime_reads_the_environment(monkeypatch):
 
 # -- 2. gloo staging ------------------------------------------------------------------------------
 def test_staging_decision():
-    assert stages_through_host("gloo", "cuda") and stages_through_host("gloo", torch.device("cuda", 1))
+    assert stages_through_host("gloo", "cuda")
+    assert stages_through_host("gloo", torch.device("cuda", 1))
     assert not stages_through_host("gloo", "cpu")
     assert not stages_through_host("nccl", "cuda") and not stages_through_host(None, "cuda")
     assert backend_for("gloo", "cuda") == "gloo" and backend_for("nccl", "cuda") == "nccl"

@@ -27,7 +27,8 @@ WHY = "fp32 reduce-scatter sums in another order than one process's backward"
 
 
 def test_the_reduce_scatter_is_asynchronous_on_cuda_only():
-    assert reduce_scatter_async(True, "cuda") and reduce_scatter_async(True, torch.device("cuda", 0))
+    assert reduce_scatter_async(True, "cuda")
+    assert reduce_scatter_async(True, torch.device("cuda", 0))
     assert not reduce_scatter_async(True, "cpu")
     assert not reduce_scatter_async(True, torch.device("cpu"))
     # overlap off: every collective blocks, on any device
