@@ -91,8 +91,11 @@ def provenance(device) -> dict:
 
 
 def _git() -> tuple[str | None, bool | None]:
-    """(commit, dirty) from git where the checkout has one; else the environment's
-    SHARDWISE_COMMIT / SHARDWISE_DIRTY (a copy of the tree on another machine, without .git)."""
+    """(commit, dirty): the environment's SHARDWISE_COMMIT / SHARDWISE_DIRTY when set (a copy
+    of the tree on another machine, whose .git, if any, may be stale), else git's answer."""
+    if os.environ.get("SHARDWISE_COMMIT"):    # said by whoever copied the tree: it wins
+        dirty = os.environ.get("SHARDWISE_DIRTY")
+        return os.environ["SHARDWISE_COMMIT"], None if dirty is None else dirty == "1"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
@@ -104,8 +107,7 @@ def _git() -> tuple[str | None, bool | None]:
             return head.stdout.strip(), dirty
     except (OSError, subprocess.TimeoutExpired):
         pass
-    dirty = os.environ.get("SHARDWISE_DIRTY")
-    return os.environ.get("SHARDWISE_COMMIT"), None if dirty is None else dirty == "1"
+    return None, None
 
 
 def _nvidia_smi(field: str) -> str | None:

@@ -159,9 +159,17 @@ def write_report(folder: str, out: str | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shardwise.bench.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", help="folder of row JSON files")
+    ap.add_argument("results", nargs="?", default="", help="folder of row JSON files")
     ap.add_argument("--out", default="", help="where REPORT.md and the charts go (default: results)")
+    ap.add_argument("--gpu-table", nargs="+", default=[], metavar="GPU_JSON",
+                    help="print the markdown tables of these gpu.json files (the README's)")
     args = ap.parse_args(argv)
+    if args.gpu_table:
+        for path in args.gpu_table:
+            print(gpu_table(json.load(open(path))))
+        return 0
+    if not args.results:
+        ap.error("give a results folder, or --gpu-table FILE")
     print(write_report(args.results, args.out or None))
     return 0
 

@@ -94,15 +94,28 @@ def test_a_chart_without_figures_is_named_not_drawn(tmp_path):
 
 
 def test_gpu_results_alone_make_a_report(tmp_path):
-    gpu = {"machine": {"date": "2026-12-01", "commit": "abc1234"}, "device": "NVIDIA H200",
-           "goal": "MFU >= 50%", "cases": [
-               {"case": "compiled", "size": "350m", "strategy": "single", "compiled": True,
-                "tokens_per_s": 123456.0, "mfu": 0.52, "peak_memory": 20 * 2**30},
-               {"case": "zero1-offload", "size": "350m", "error": "RuntimeError: out of memory"}]}
+    """gpu.json of shardwise/bench/gpu.py: every run with its figures, errors and skips in
+    their rows, then shardwise / PyTorch per case computed from the rows."""
+    from shardwise.bench.gpu import ratios
+    run = {"case": "compiled", "size": "350m", "strategy": "single", "compiled": True, "rep": 0,
+           "step_seconds": 0.1, "step_min": 0.09, "step_max": 0.12, "peak_memory": 20 * 2**30}
+    cases = [{**run, "impl": "pytorch (loop)", "tokens_per_s": 200000.0, "mfu": 0.55},
+             {**run, "impl": "shardwise", "tokens_per_s": 150000.0, "mfu": 0.5,
+              "ledger_device_bytes": 18 * 2**30, "ledger_gap": -0.1},
+             {"case": "zero1-offload", "size": "350m", "impl": "shardwise", "rep": 0,
+              "error": "RuntimeError: out of memory"},
+             {"case": "ddp-nccl", "size": "350m", "impl": "peer", "rep": 0,
+              "skipped": "--budget-s spent"}]
+    gpu = {"machine": {"date": "2026-12-01", "commit": "abc1234", "gpu": "NVIDIA H200",
+                       "driver": "580"}, "goal": "MFU >= 45%", "cases": cases,
+           "ratios": ratios(cases)}
     (tmp_path / "gpu.json").write_text(json.dumps(gpu))
     text = open(write_report(str(tmp_path))).read()
-    assert "| 350m | compiled | single | True | 123,456 | 52.0% |" in text
-    assert "RuntimeError: out of memory" in text
+    assert "| 350m | compiled | shardwise #0 | 150,000 | 0.100 (0.090-0.120) | 50.0% |" in text
+    assert "| 18,432 MiB | -10.0% |" in text or "-10.0%" in text
+    assert "RuntimeError: out of memory" in text and "--budget-s spent" in text
+    assert "| 350m | compiled | 150,000 | 200,000 | 0.750 | 1 + 1 |" in text
+    assert "NVIDIA H200, driver 580" in text and "abc1234" in text
 
 
 def test_row_selection_quick_set_and_refusals(capsys):
