@@ -75,6 +75,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the tensor forms (the old names warn there); torch 2.11 has only the old
+# ones (seen on the H200). Same arguments either way.
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+                  else "reduce_scatter_tensor")
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "avg": None}  # avg = sum then divide (gloo has no AVG)
 
@@ -386,7 +391,7 @@ class Comm:
         backs = []
         h_out, h_in = self._host(group, out, False, True, backs), self._host(group, inp, True,
                                                                               False, backs)
-        return self._run("all_gather", group, lambda a: dist.all_gather_into_tensor(
+        return self._run("all_gather", group, lambda a: getattr(dist, ALL_GATHER)(
             h_out, h_in, group=group.pg, async_op=a), vol, vol, async_op, _chain(backs), name,
             out.device)
 
@@ -408,7 +413,7 @@ class Comm:
                                                                               False, backs)
         if op == "avg":
             backs.append(lambda: out.div_(n))
-        return self._run("reduce_scatter", group, lambda a: dist.reduce_scatter_tensor(
+        return self._run("reduce_scatter", group, lambda a: getattr(dist, REDUCE_SCATTER)(
             h_out, h_in, red, group=group.pg, async_op=a), vol, vol, async_op, _chain(backs),
             name, out.device)
 

@@ -131,7 +131,7 @@ def _ops_in_world(rank, n, force):
     base = torch.arange(4, dtype=torch.float32) + 10 * rank    # rank r: [10r, 10r+1, ...]
     res, ptrs, keep = {}, {"base": base.data_ptr()}, []   # ptrs: the callers' tensors, kept
     # alive (keep), so no staging buffer can share an address with one while it is compared
-    for op in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+    for op in ("all_reduce", "broadcast", collectives.ALL_GATHER, collectives.REDUCE_SCATTER,
                "send", "recv", "isend", "irecv"):
         real = getattr(dist, op)
 

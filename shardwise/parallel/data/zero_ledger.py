@@ -6,8 +6,8 @@ Transient buffers are accounted by kind, when they are allocated and freed:
     staging    whole-size gradient buffers (stages 2-3) and reduce-scatter temporaries
     gathered   stage 3's whole units, from the start of their all-gather to their release
     backend    what the backend itself allocates for a collective in flight: gloo (the CPU
-               backend) runs ``reduce_scatter_single`` as an allreduce of a copy of the whole
-               input, and ``all_gather_single`` into a whole-size temporary (measured: a 50 MiB
+               backend) runs ``reduce_scatter_tensor`` as an allreduce of a copy of the whole
+               input, and ``all_gather_into_tensor`` into a whole-size temporary (measured: a 50 MiB
                reduce-scatter or all-gather raises resident memory by 50 MiB, an in-place
                allreduce by 2 MiB); each lives from the launch until the collective is waited.
                shardwise's ring (``--allreduce ring``) works in place: nothing is counted.
