@@ -1,4 +1,4 @@
-"""Seed 000's model-parallel matrix example, run for real on 2 processes.
+"""The strategy guide's model-parallel matrix example, run for real on 2 processes.
 
 x (4x5) times w (5x8): w is split on dimension 1 across 2 devices, each device computes
 x @ w_r (4x4) on the full x, and the outputs are concatenated (an all-gather) into the 4x8

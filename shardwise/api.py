@@ -4,13 +4,16 @@
     engine = shardwise.prepare(model, lambda params: torch.optim.AdamW(params, lr=1e-3),
                                shardwise.Config(), loss_fn=F.cross_entropy)
     x, y = engine.shard(x_global, y_global)      # this rank's rows of the global batch
-    loss = engine.loss_fn(engine(x), y)
+    loss = engine.loss_fn(engine(x), y)          # engine(x): what model(x) returns, any layout
     engine.backward(loss)
     engine.clip_grad_norm_(1.0)                  # optional: the global norm, every shard counted
     engine.step()                                # also zeroes the gradients
 
 or, equivalently (and the only form pipeline parallelism supports, since no single rank runs
-the whole forward), ``loss = engine.train_step(x, y)``. Run the script with torchrun; without a
+the whole forward), ``loss = engine.train_step(x, y)``. Under tensor parallelism ``engine(x)``
+gathers the whole logits (B*T*V per rank); ``engine.loss(x, y)`` and ``train_step`` keep the
+vocab-parallel cross-entropy (no rank holds them all), and ``engine.local_logits(x)`` gives
+this rank's vocabulary columns. Run the script with torchrun; without a
 launcher it is a world of one and equals plain PyTorch.
 
 Models with several inputs: a batch is a tensor, a tuple (positional inputs) or a dict (keyword
@@ -81,7 +84,11 @@ class Engine:
 
     @property
     def loss_fn(self) -> LossFn:
-        return self.strategy.loss_fn
+        """The loss on what ``engine(x)`` returns: the one given to prepare (or the default
+        cross-entropy), under every layout. (Under tensor parallelism the strategy's own loss,
+        which train_step and engine.loss use, is the vocab-parallel one on this rank's logit
+        columns: shardwise/parallel/tensor_loss.py.)"""
+        return getattr(self.strategy.loss_fn, "on_whole", self.strategy.loss_fn)
 
     @property
     def mesh(self):
@@ -93,8 +100,23 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         """The model's forward, as ``model(*args, **kwargs)`` (e.g. ``engine(ids,
-        attention_mask=mask)``)."""
-        return self.strategy.forward(*args, **kwargs)
+        attention_mask=mask)``): what the model returns on one process, under every layout.
+        Under tensor parallelism with the head split on the vocabulary, the logits are the
+        whole (B, T, V), all-gathered over tp inside autograd (B*T*V per rank; a loss on them
+        backpropagates to each rank's columns); for the fast path use ``engine.loss(x, y)`` /
+        ``engine.train_step(x, y)`` (vocab-parallel cross-entropy, no rank holds the whole
+        logits), or ``engine.local_logits(x)`` for this rank's columns."""
+        out = self.strategy.forward(*args, **kwargs)
+        whole = getattr(self.strategy.loss_fn, "whole_output", None)
+        return out if whole is None else whole(out)
+
+    def local_logits(self, *args, **kwargs) -> torch.Tensor:
+        """The logits of the forward on this rank, as it holds them: under tensor parallelism
+        with a vocabulary-split head, (..., V_local) = this tp rank's vocabulary columns
+        ``shard_range(V, tp_rank, tp)`` (shardwise/comm/autograd.py: the first V % tp ranks hold
+        one more); elsewhere the whole logits, as ``engine(x)``'s."""
+        from shardwise.models.build import logits_of
+        return logits_of(self.strategy.forward(*args, **kwargs))
 
     def shard(self, *batches_):
         """This process's rows of each global batch (what it must train on): each argument a

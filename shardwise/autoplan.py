@@ -5,6 +5,12 @@ Calibration lives in :mod:`shardwise.calibrate`. Then :func:`choose` plans the G
 layout that shardwise can run (its strategy is installed and imports, and the resulting config
 validates), and converts it into the config: strategy, dp / tp / pp, schedule,
 num_microbatches (or grad_accum), offload, activation_checkpointing.
+
+What the person fixed is kept: a ``--dp``, ``--tp``, ``--pp``, ``--grad-accum``, ``--offload`` or
+``--activation-checkpointing`` given on the command line or in the config file (``FIXABLE``) rules
+out every layout that would change it; the choice is the fastest of the rest, said in one line
+("keeping what you set: ..."), and when none is left the run is refused with one line naming
+those settings.
 """
 from __future__ import annotations
 
@@ -92,16 +98,43 @@ class Choice:
     """{processes: the best runnable estimate on that many processes (or None)}."""
 
 
-def _best_runnable(p: Plan, cfg: Config) -> Estimate | None:
-    return next((e for e in p.ranked if not why_not_runnable(e.layout, cfg)), None)
+FIXABLE = ("parallel.dp", "parallel.tp", "parallel.pp", "memory.grad_accum", "memory.offload",
+           "memory.activation_checkpointing")
 
 
-def choose(cfg: Config, calibration: Calibration | None = None, say=print) -> Choice:
+def fixed_by_user(cfg: Config, given) -> dict:
+    """{section.field: value} of the FIXABLE settings the person gave (``given(section, name)``:
+    a flag or a config-file key; shardwise/prelaunch.py's ``given``)."""
+    out = {}
+    for key in FIXABLE:
+        section, name = key.split(".")
+        if given(section, name):
+            out[key] = getattr(getattr(cfg, section), name)
+    return out
+
+
+def _keeps(layout: Layout, cfg: Config, fixed: dict) -> bool:
+    """Whether running ``layout`` leaves every fixed setting as the person gave it."""
+    changes = to_config(layout, cfg)[1]
+    return all(changes.get(key, value) == value for key, value in fixed.items())
+
+
+def _best_runnable(p: Plan, cfg: Config, fixed: dict | None = None) -> Estimate | None:
+    return next((e for e in p.ranked if _keeps(e.layout, cfg, fixed or {})
+                 and not why_not_runnable(e.layout, cfg)), None)
+
+
+def choose(cfg: Config, calibration: Calibration | None = None, say=print,
+           fixed: dict | None = None) -> Choice:
     """Calibrate (unless given), plan on the local process count and on one process, and
-    return the fastest layout shardwise can run, converted into ``cfg``."""
+    return the fastest layout shardwise can run, converted into ``cfg``, among those that keep
+    ``fixed`` ({section.field: value}: what the person set; module docstring)."""
+    fixed = fixed or {}
     spec, batch = model_spec(cfg), batch_of(cfg)
     cal = calibration or calibrate(cfg)
     say("auto: " + cal.describe().replace("\n", "\nauto: "))
+    if fixed:
+        say("auto: keeping what you set: " + " ".join(flags(fixed)))
     found: dict[int, tuple[Plan, Estimate | None]] = {}
     for n in sorted({cal.processes, 1}, reverse=True):
         try:
@@ -109,8 +142,12 @@ def choose(cfg: Config, calibration: Calibration | None = None, say=print) -> Ch
         except PlanError as exc:
             say(f"auto: no plan on {n} process(es): {exc}")
             continue
-        found[n] = (p, _best_runnable(p, cfg))
+        found[n] = (p, _best_runnable(p, cfg, fixed))
     runnable = [(e.step_s, n) for n, (_, e) in found.items() if e is not None]
+    if not runnable and fixed:
+        raise ConfigError("parallel.strategy", "auto", "no layout the planner ranks fits, runs "
+                          f"here and keeps what you set ({' '.join(flags(fixed))})",
+                          "drop some of those flags and let auto choose them, or pick a strategy")
     if not runnable:
         raise ConfigError("parallel.strategy", "auto", "no layout the planner ranks fits and "
                           "runs here", "pick a strategy, or a smaller model or batch")

@@ -26,9 +26,10 @@ commands:
   bench   run benchmark rows against their PyTorch peers (shardwise/bench/README.md)
   checkpoint inspect D | export D --out model.safetensors
           what a saved checkpoint holds; the plain model's weights as safetensors
-  generate --run DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --seed S
-          --device auto|cpu|cuda]
-          sample text from a trained run's model (gpt, hf:gpt2, hf:llama) on a device
+  generate --run DIR --prompt TEXT | --prompts-file FILE [--max-new-tokens N --temperature T
+          --top-k K --seed S --device auto|cpu|cuda --no-cache]
+          sample text from a trained run's model (gpt, hf:gpt2, hf:llama) on a device, with a
+          KV cache; one prompt, or one per line of FILE (one JSON line each); tokens/s on stderr
 
 options:
   --version   print shardwise's version and exit
@@ -112,7 +113,7 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     world = launch.world_size(cfg)
     validate(cfg, world)
     launch.check_gpus(cfg)          # a CUDA run: one GPU per rank on this node
-    check_ignored(cfg)
+    check_ignored(cfg, args, world)
     cfg = prelaunch.resolve_model_data(cfg, args, world)   # --dataset text tokenized here, once
     check_model_names(cfg)          # --freeze / --lora-targets against the model's names
     launch.check_restarts(cfg)      # --max-restarts needs --checkpoint-dir
@@ -145,10 +146,11 @@ def cmd_train(argv: list[str]) -> int:
             return error("parallel.strategy = 'auto' under a launcher: each rank would calibrate "
                          "on its own; fix: run 'shardwise train --strategy auto' without torchrun "
                          "(it launches the ranks itself), or pick a strategy")
-        from shardwise.autoplan import choose
+        from shardwise.autoplan import choose, fixed_by_user
         from shardwise.layout import resolve
         try:
-            choice = choose(cfg)
+            fixed = fixed_by_user(cfg, lambda sec, name: prelaunch.given(args, sec, name))
+            choice = choose(cfg, fixed=fixed)
             cfg, argv = resolve(choice.config, explicit_strategy=True), [*argv, *choice.flags]
         except ConfigError as exc:
             return error(str(exc))

@@ -35,9 +35,10 @@ def flag_of(f: dataclasses.Field) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = _f("gpt", "gpt = shardwise's decoder-only transformer; lenet = seed 001's LeNet;"
-                   " hf:gpt2 / hf:llama = a Hugging Face GPT-2 / Llama built from a config (the "
-                   "size flags below, or --hf-config; never downloaded; the 'hf' extra); or "
+    name: str = _f("gpt", "gpt = shardwise's decoder-only transformer; lenet = LeNet "
+                   "(LeCun et al. 1998); hf:gpt2 / hf:llama = a Hugging Face GPT-2 / Llama "
+                   "built from a config (the size flags below, or --hf-config; never "
+                   "downloaded; the 'hf' extra); or "
                    "package.module:function = your own model: the function gets the ModelConfig"
                    " if it takes an argument (nothing otherwise) and returns an nn.Module whose "
                    "output is logits, or a dict / ModelOutput with 'logits', or a tuple starting"
@@ -392,3 +393,13 @@ def read_file(path: str) -> dict:
 def to_dict(cfg: Config) -> dict:
     """The nested plain-dict form (what summary.json records)."""
     return dataclasses.asdict(cfg)
+
+
+def given(args, section: str, name: str) -> bool:
+    """Whether the person set ``section.name``: a flag (``args``, the parsed command line), or a
+    key in the ``--config`` file. A default alone never counts."""
+    if hasattr(args, f"{section}.{name}"):
+        return True
+    data = read_file(args.config) if getattr(args, "config", None) else {}
+    keys = data.get(section) if isinstance(data, dict) else None
+    return isinstance(keys, dict) and any(str(k).replace("-", "_") == name for k in keys)

@@ -1,4 +1,5 @@
-"""``shardwise generate --run DIR --prompt "..." --max-new-tokens N``: sample from a trained model.
+"""``shardwise generate --run DIR --prompt "..." --max-new-tokens N``: sample from a trained model
+(or ``--prompts-file FILE``: one prompt per line, one continuation each).
 
 Everything comes from the run directory ``DIR`` that ``shardwise train`` wrote:
   * the model: ``config.json`` (the resolved config) builds it again (``gpt``, ``hf:gpt2``,
@@ -13,13 +14,21 @@ Everything comes from the run directory ``DIR`` that ``shardwise train`` wrote:
   * the tokenizer: ``bytes`` (the default and ``--dataset stdlib``), or the run directory's copy
     of the BPE / tokenizer file it trained with.
 Sampling: autoregressive, one token at a time, the context cut to the model's last
-``block_size`` tokens; ``--temperature 0`` takes the most likely token (greedy), otherwise
-softmax(logits / T) restricted to the ``--top-k`` most likely (0: all), drawn from a CPU
-generator seeded with ``--seed`` (the same text for the same seed; on another device the logits
-may differ in the last bits, and so, rarely, may a token). The prompt and the continuation are
-printed to stdout; which weights were used goes to stderr. Bad input is refused with one line
-(exit 2): a missing run directory, no weights, an empty prompt, a prompt longer than the window
-or with tokens outside the model's vocabulary.
+``block_size`` tokens, with a key-value cache (our GPT's, or a Hugging Face model's own): the
+prompt runs once, then each step runs only the newest token; once the sequence outgrows the
+window each step recomputes it (shardwise/models/decode.py says why); ``--no-cache`` recomputes
+the window at every step, the reference the cache equals. ``--temperature 0`` takes the most
+likely token (greedy), otherwise softmax(logits / T) restricted to the ``--top-k`` most
+likely (0: all), drawn from a CPU generator seeded with ``--seed`` (the same text for the
+same seed; on another device the logits may differ in the last bits, and so, rarely, may a
+token). The prompt and the continuation are
+printed to stdout; which weights were used, and the tokens generated per second, go to stderr.
+With ``--prompts-file`` each line is a prompt; prompts of one token length are decoded as one
+batch, each row sampled as if alone (its own generator seeded with ``--seed``), and stdout gets
+one JSON line per prompt, in order: ``{"prompt": ..., "continuation": ...}`` (a continuation may
+hold newlines). Bad input is refused with one line (exit 2): a missing run directory, no
+weights, an empty prompt, a prompt longer than the window or with tokens outside the model's
+vocabulary, a prompts file that is missing, not UTF-8 or empty, or one bad line (named).
 """
 from __future__ import annotations
 
@@ -28,19 +37,24 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 from shardwise.config import ConfigError
 
 FINAL = "final.safetensors"           # shardwise/train.py's FINAL_WEIGHTS (no torch import here)
 MODELS = ("gpt", "hf:gpt2", "hf:llama")
 DEVICES = ("auto", "cpu", "cuda")     # train.device's choices
+BATCH_ROWS = 32                       # prompts of one length decoded together, at most
 
 
 def parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap = parser_class(prog="shardwise generate", description=(
         "Sample text from a model 'shardwise train' trained (its run directory)."))
     ap.add_argument("--run", required=True, help="the run directory (out_dir/run_name)")
-    ap.add_argument("--prompt", required=True, help="the text to continue")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--prompt", help="the text to continue")
+    which.add_argument("--prompts-file", metavar="FILE", help="a UTF-8 text file, one prompt "
+                       "per line; prints one JSON line {prompt, continuation} per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=100, help="tokens to add (default 100)")
     ap.add_argument("--temperature", type=float, default=1.0,
                     help="softmax temperature; 0 = greedy (default 1.0)")
@@ -50,6 +64,9 @@ def parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=DEVICES, default=None,
                     help="where the model runs: auto = cuda when present, else cpu "
                          "(default: the run's train.device)")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="recompute the whole window for every token instead of keeping the "
+                         "keys and values (slower; the same tokens)")
     return ap
 
 
@@ -177,60 +194,100 @@ def build(cfg, state: dict, device="cpu"):
     return model.to(device).eval()
 
 
-def encode_prompt(tok, prompt: str, cfg) -> list[int]:
+def encode_prompt(tok, prompt: str, cfg, field: str = "--prompt") -> list[int]:
     ids = tok.encode(prompt)
     vocab, window = cfg.model.vocab_size, cfg.model.block_size
     if not ids:
-        raise ConfigError("--prompt", prompt, "encodes to no token", "give some text")
+        raise ConfigError(field, prompt, "encodes to no token", "give some text")
     bad = sorted({i for i in ids if not 0 <= i < vocab})
     if bad:
-        raise ConfigError("--prompt", prompt if len(prompt) <= 40 else prompt[:37] + "...",
+        raise ConfigError(field, prompt if len(prompt) <= 40 else prompt[:37] + "...",
                           f"has tokens outside the model's vocabulary of {vocab} ({bad[:3]})",
                           "use text the run's tokenizer covers with the model's vocabulary")
     if len(ids) > window:
-        raise ConfigError("--prompt", f"{len(ids)} tokens", f"longer than the model's window "
+        raise ConfigError(field, f"{len(ids)} tokens", f"longer than the model's window "
                           f"(block_size {window})", f"give at most {window} tokens of prompt")
     return ids
 
 
+def read_prompts(path: str) -> list[str]:
+    """The prompts of ``--prompts-file``: one per line (a blank line is refused by
+    encode_prompt, named by its number)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise ConfigError("--prompts-file", path, "no such file", "give a text file with one "
+                          "prompt per line") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("--prompts-file", path, f"is not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start})", "save the prompts as UTF-8, one per line") from None
+    except OSError as exc:
+        raise ConfigError("--prompts-file", path, f"cannot be read ({exc.strerror})",
+                          "give a readable text file with one prompt per line") from None
+    prompts = text.splitlines()
+    if not prompts:
+        raise ConfigError("--prompts-file", path, "holds no prompt", "write one prompt per line")
+    return prompts
+
+
 def sample(model, ids: list[int], n: int, window: int, temperature: float, top_k: int,
-           seed: int) -> list[int]:
+           seed: int, cache: bool = True) -> list[int]:
     """``n`` tokens after ``ids``: greedy (temperature 0) or sampled (see the module), on the
-    model's device; the choice of each token is made on the CPU."""
-    import torch
-    from shardwise.models import logits_of
-    device = next(model.parameters()).device
-    g = torch.Generator().manual_seed(seed)                       # CPU: one stream everywhere
-    idx = torch.tensor([ids], dtype=torch.long, device=device)    # (1, T)
-    new = []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = logits_of(model(idx[:, -window:]))[0, -1].float().cpu()   # (V,)
-            if temperature == 0:
-                nxt = int(logits.argmax())
-            else:
-                logits = logits / temperature
-                if 0 < top_k < logits.numel():
-                    kth = torch.topk(logits, top_k).values[-1]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
-            new.append(nxt)
-            idx = torch.cat([idx, torch.tensor([[nxt]], device=device)], dim=1)
-    return new
+    model's device, with the KV cache unless ``cache`` is False; each token is chosen on the
+    CPU."""
+    from shardwise.models.decode import sample_batch
+    return sample_batch(model, [ids], n, window, temperature, top_k, seed, cache)[0]
 
 
-def generate(folder: str, prompt: str, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0, device=None) -> tuple[str, str]:
-    """(prompt + generated text, where the weights came from). ``device``: auto | cpu | cuda
-    or a torch.device; None: the run's ``train.device``."""
+def sample_many(model, prompts: list[list[int]], n: int, window: int, temperature: float,
+                top_k: int, seed: int, cache: bool = True) -> list[list[int]]:
+    """``sample`` for each prompt, in order: prompts of one length go as one batch (at most
+    BATCH_ROWS rows), each row sampled as if alone."""
+    from shardwise.models.decode import sample_batch
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        by_length.setdefault(len(ids), []).append(i)
+    out: list[list[int]] = [[] for _ in prompts]
+    for rows in by_length.values():
+        for at in range(0, len(rows), BATCH_ROWS):
+            chunk = rows[at:at + BATCH_ROWS]
+            new = sample_batch(model, [prompts[i] for i in chunk], n, window, temperature,
+                               top_k, seed, cache)
+            for i, tokens in zip(chunk, new):
+                out[i] = tokens
+    return out
+
+
+def generate_many(folder: str, prompts: list[str], max_new_tokens: int,
+                  temperature: float = 1.0, top_k: int = 0, seed: int = 0, device=None,
+                  cache: bool = True, field: str = "--prompt") -> dict:
+    """Continue each of ``prompts`` from the run in ``folder``: {"texts": prompt + generated
+    text each, "continuations", "source": where the weights came from, "tokens": tokens
+    generated, "seconds": the decoding's wall time, "device"}. ``device``: auto | cpu | cuda or
+    a torch.device; None: the run's ``train.device``."""
     cfg = load_run(folder)
     where = pick_device(cfg.train.device if device is None else device)
     tok = tokenizer(cfg, folder)
-    ids = encode_prompt(tok, prompt, cfg)
+    many = len(prompts) > 1 or field != "--prompt"
+    ids = [encode_prompt(tok, p, cfg, f"{field} line {i + 1}" if many else field)
+           for i, p in enumerate(prompts)]
     state, source = weights(cfg, folder)
     model = build(cfg, state, where)
-    new = sample(model, ids, max_new_tokens, cfg.model.block_size, temperature, top_k, seed)
-    return tok.decode(ids + new), source
+    start = time.perf_counter()
+    new = sample_many(model, ids, max_new_tokens, cfg.model.block_size, temperature, top_k,
+                      seed, cache)
+    seconds = time.perf_counter() - start
+    return {"texts": [tok.decode(a + b) for a, b in zip(ids, new)],
+            "continuations": [tok.decode(b) for b in new], "source": source,
+            "tokens": sum(map(len, new)), "seconds": seconds, "device": str(where)}
+
+
+def generate(folder: str, prompt: str, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, seed: int = 0, device=None, cache: bool = True) -> tuple[str, str]:
+    """(prompt + generated text, where the weights came from): ``generate_many`` for one."""
+    out = generate_many(folder, [prompt], max_new_tokens, temperature, top_k, seed, device, cache)
+    return out["texts"][0], out["source"]
 
 
 def main(argv: list[str], parser_class=argparse.ArgumentParser, error=None) -> int:
@@ -238,13 +295,25 @@ def main(argv: list[str], parser_class=argparse.ArgumentParser, error=None) -> i
     args = parser(parser_class).parse_args(argv)
     try:
         check_args(args)
-        text, source = generate(args.run, args.prompt, args.max_new_tokens, args.temperature,
-                                args.top_k, args.seed, args.device)
+        from_file = args.prompts_file is not None
+        prompts = read_prompts(args.prompts_file) if from_file else [args.prompt]
+        out = generate_many(args.run, prompts, args.max_new_tokens, args.temperature,
+                            args.top_k, args.seed, args.device, not args.no_cache,
+                            "--prompts-file" if from_file else "--prompt")
     except ConfigError as exc:
         if error is not None:
             return error(str(exc))
         print("error: " + str(exc).replace("\n", "\\n"), file=sys.stderr)
         return 2
-    print(f"weights: {source}", file=sys.stderr, flush=True)
-    print(text, flush=True)
+    rate = out["tokens"] / max(out["seconds"], 1e-9)
+    print(f"weights: {out['source']}", file=sys.stderr, flush=True)
+    print(f"generated {out['tokens']} tokens for {len(prompts)} prompt(s) in "
+          f"{out['seconds']:.2f} s: {rate:,.0f} tokens/s on {out['device']} (KV cache "
+          f"{'off' if args.no_cache else 'on'})", file=sys.stderr, flush=True)
+    if not from_file:
+        print(out["texts"][0], flush=True)
+        return 0
+    for prompt, cont in zip(prompts, out["continuations"]):
+        print(json.dumps({"prompt": prompt, "continuation": cont}, ensure_ascii=False),
+              flush=True)
     return 0

@@ -1,12 +1,11 @@
-"""Per-step metrics: throughput, model FLOP utilisation, peak memory, traffic; JSONL and summary.
+"""Per-step metrics: throughput, model FLOP utilisation, peak memory, traffic; the summary table
+(the per-step JSONL file is written by runlog.py).
 
 Peak memory per rank: CUDA's max_memory_allocated on a GPU; on CPU the process's peak resident
 set (ru_maxrss), which includes the Python interpreter and torch itself (about 300-400 MB).
 """
 from __future__ import annotations
 
-import json
-import os
 import resource
 import sys
 
@@ -29,26 +28,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
-
-
-class JsonlWriter:
-    """Append-only metrics file; each line is flushed so a crash loses at most one line."""
-
-    def __init__(self, path: str | None):
-        self.path = path
-        self._fh = None
-        if path:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            self._fh = open(path, "w")
-
-    def write(self, record: dict) -> None:
-        if self._fh:
-            self._fh.write(json.dumps(record) + "\n")
-            self._fh.flush()
-
-    def close(self) -> None:
-        if self._fh:
-            self._fh.close()
 
 
 def human_bytes(n: float) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardwise.config import Config, ConfigError, read_file
+from shardwise.config import Config, ConfigError, given, read_file  # noqa: F401 (given: re-exported)
 
 
 def error(msg: str) -> int:
@@ -55,15 +55,6 @@ def warn_emulated(cfg: Config) -> None:
         print("warning: memory.mixed_precision = 'fp16' on a CPU is emulated and slow (and bf16 "
               "needs no loss scaling); use --mixed-precision bf16 on CPUs", file=sys.stderr,
               flush=True)
-
-
-def given(args: argparse.Namespace, section: str, name: str) -> bool:
-    """Whether the person set ``section.name``: a flag, or a key in the --config file."""
-    if hasattr(args, f"{section}.{name}"):
-        return True
-    data = read_file(args.config) if getattr(args, "config", None) else {}
-    keys = data.get(section) if isinstance(data, dict) else None
-    return isinstance(keys, dict) and any(str(k).replace("-", "_") == name for k in keys)
 
 
 def resolve_model_data(cfg: Config, args: argparse.Namespace, world: int) -> Config:

@@ -60,6 +60,9 @@ def train_here(cfg: Config, folder: str) -> int:
     except NonFiniteLoss as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return NON_FINITE_EXIT
+    except ConfigError as exc:      # found while training (an unused parameter): one line
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except (MemoryError, RuntimeError, OSError) as exc:
         line = resource_error(exc, cfg)
         if line is None:

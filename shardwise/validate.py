@@ -70,14 +70,17 @@ def _numbers(cfg: Config) -> None:
                               "years)", "give seconds, e.g. 300")
 
 
-def check_ignored(cfg: Config) -> None:
+def check_ignored(cfg: Config, args=None, world_size: int | None = None) -> None:
     """Refuse a setting the chosen layout would not read (DESIGN.md: never silently dropped);
-    which layout reads what: shardwise/layout.py's ``reads``.
+    which layout reads what: shardwise/layout.py's ``reads``; other settings that only some
+    runs read: :func:`check_unread`.
 
-    Run by ``shardwise train`` on what the person typed or wrote in a config file. (The library's
-    ``prepare()`` does not run it: reference runs in tests reuse one config across strategies.)"""
+    Run by ``shardwise train`` on what the person typed or wrote in a config file (``args``:
+    the parsed flags, for config.given). (The library's ``prepare()`` does not run it:
+    reference runs in tests reuse one config across strategies.)"""
     p = cfg.parallel
     if p.strategy == "auto":
+        check_unread(cfg, args, world_size)
         return            # the planner picks the layout; it checks again after choosing
     cfg = layout.resolve(cfg)
     defaults = {"parallel": ParallelConfig(), "memory": MemoryConfig()}
@@ -89,6 +92,67 @@ def check_ignored(cfg: Config) -> None:
                               "does not use it", f"drop --{name.replace('_', '-')}, or use "
                               + {**layout.WHERE_READ, **pipeline_checks.WHERE_READ}.get(
                                   name, "--strategy ps"))
+    check_unread(cfg, args, world_size)
+
+
+GPT_SIZES = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout")
+
+
+def _set(cfg: Config, args, sec: str, name: str) -> bool:
+    """The person set ``sec.name``: a flag or a config-file key (config.given), or (without
+    the parsed flags) a value other than the default. A default alone never counts."""
+    from shardwise.config import Config as _Config
+    if getattr(getattr(cfg, sec), name) != getattr(getattr(_Config(), sec), name):
+        return True
+    if args is None:
+        return False
+    from shardwise.config import given
+    return given(args, sec, name)
+
+
+def _unread(cfg: Config, world_size: int | None) -> list[tuple[str, str, str, str]]:
+    """(section, field, why it is not read, fix) for settings this run would not read."""
+    p, m, t = cfg.parallel, cfg.memory, cfg.train
+    out = []
+    if m.lora_rank == 0:
+        out += [("memory", n, "LoRA is off (lora_rank = 0), so it would be ignored",
+                 f"set --lora-rank (e.g. 8) or drop --{n.replace('_', '-')}")
+                for n in ("lora_alpha", "lora_targets")]
+    if p.strategy != "ps" or p.ps_mode != "ssp":
+        out.append(("parallel", "staleness", f"only --ps-mode ssp reads it (the run: "
+                    f"{p.strategy}{', ps_mode ' + p.ps_mode if p.strategy == 'ps' else ''})",
+                    "drop --staleness, or use --strategy ps --ps-mode ssp"))
+    if p.strategy != "ps" or p.ps_mode != "sync":
+        out.append(("parallel", "on_worker_failure", "only the parameter server's sync mode "
+                    f"reads it (the run: {p.strategy}"
+                    f"{', ps_mode ' + p.ps_mode if p.strategy == 'ps' else ''})",
+                    "drop --on-worker-failure, or use --strategy ps --ps-mode sync"))
+    if not t.checkpoint_dir:
+        out.append(("train", "keep_checkpoints", "no --checkpoint-dir, so nothing is saved",
+                    "drop --keep, or add --checkpoint-dir DIR"))
+    if cfg.model.name == "lenet":
+        out += [("model", n, "LeNet has fixed sizes; only the GPT and HF models read it",
+                 f"drop --{n.replace('_', '-')}, or use --model gpt") for n in GPT_SIZES]
+    if world_size is not None and p.strategy in layout.DATA_MODEL and p.strategy != "auto":
+        dp = resolve_dp(cfg, world_size)
+        if dp == 1:
+            out += [("parallel", n, "dp = 1: there is no gradient to reduce over "
+                     "data-parallel replicas" + (" (with one replica DDP leaves a parameter "
+                                                 "without gradient out of the step by itself)"
+                                                 if n == "find_unused" else ""),
+                     f"drop --{n.replace('_', '-')}, or run more processes (--nproc-per-node) "
+                     "so that dp >= 2")
+                    for n in ("allreduce", "grad_compression", "bucket_mb", "find_unused")]
+    return out
+
+
+def check_unread(cfg: Config, args=None, world_size: int | None = None) -> None:
+    """Refuse, with one line, a setting the person gave that this run would not read (LoRA's
+    alpha without a rank, SSP's staleness in sync mode, --keep without a checkpoint folder,
+    the GPT's sizes with LeNet, gradient-reduction settings at dp = 1, ...)."""
+    for sec, name, why, fix in _unread(cfg, world_size):
+        if _set(cfg, args, sec, name):
+            raise ConfigError(f"{sec}.{name}", getattr(getattr(cfg, sec), name), why, fix)
 
 
 def _positive(cfg: Config) -> None:

@@ -81,8 +81,23 @@ def machine() -> dict:
             "cpus": os.cpu_count(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(), "dirty": dirty(),
             "load": [round(x, 2) for x in os.getloadavg()]}
+
+
+def dirty() -> bool | None:
+    """Whether the checkout had uncommitted changes to tracked files (SHARDWISE_DIRTY=0/1 when
+    a copy of the tree says so itself); None where no git answers (an installed wheel)."""
+    if os.environ.get("SHARDWISE_DIRTY") in ("0", "1"):
+        return os.environ["SHARDWISE_DIRTY"] == "1"
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        done = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() != "" if done.returncode == 0 else None
 
 
 def commit() -> str | None:
@@ -169,7 +184,8 @@ def _refuse(msg: str) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """``shardwise bench``'s options (also the docs' CLI reference: scripts/gen_docs.py)."""
     ap = argparse.ArgumentParser(prog="shardwise bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", metavar="ROW",
@@ -185,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: a fresh temp dir)")
     ap.add_argument("--save", action="store_true",
                     help="write to shardwise/bench/results/ (overwrites the committed figures)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     rows = all_rows()
     if args.list:
         for name, (family, row) in rows.items():

@@ -11,8 +11,9 @@ chunks of about K/N elements (``torch.tensor_split``: any size, sizes differ by 
   (r - s - 1) mod N, overwriting its copy. Afterwards every rank holds every reduced chunk.
 
 Traffic per rank: 2(N-1) chunks of K/N elements each way = 2(N-1)/N * K bytes, constant in N
-(seed 002; Patarasuk & Yuan 2009). The meter records the bytes that really moved (isend /
-irecv), under the operation name given (default ``ring_all_reduce``). World size 1: no-op.
+(the ring-allreduce bound, Patarasuk & Yuan 2009). The meter records the bytes that really
+moved (isend / irecv), under the operation name given (default ``ring_all_reduce``). World
+size 1: no-op.
 
 Each step posts its receive and its send together and waits for both, so neighbours never
 block on each other. They are posted through comm/p2p.py's ``post``: on NCCL as one grouped

@@ -14,11 +14,6 @@ from collections.abc import Mapping
 import torch
 
 
-def is_plain(batch) -> bool:
-    """True for the one-tensor batch every layout accepts."""
-    return torch.is_tensor(batch)
-
-
 def _leaves(batch) -> list[torch.Tensor]:
     if torch.is_tensor(batch):
         return [batch]
@@ -89,11 +84,6 @@ def call(fn, batch):
     if isinstance(batch, (tuple, list)):
         return fn(*batch)
     return fn(batch)
-
-
-def first_input(batch) -> torch.Tensor:
-    """The first tensor (input_ids of a dict, the first positional input of a tuple)."""
-    return _leaves(batch)[0]
 
 
 def read_loss(out, key):

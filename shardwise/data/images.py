@@ -1,8 +1,8 @@
 """Image classification sets: scikit-learn's handwritten digits, and MNIST / Fashion-MNIST IDX files.
 
 Images come out as float tensors (N, 1, 28, 28) normalised to mean 0, std 1 over the training
-split; labels as int64. The 8x8 digits are upsampled to 28x28 (bilinear) so that seed 001's
-LeNet applies unchanged.
+split; labels as int64. The 8x8 digits are upsampled to 28x28 (bilinear) so that LeNet
+(LeCun et al. 1998) applies unchanged.
 """
 from __future__ import annotations
 

@@ -65,11 +65,6 @@ class OffloadStore:
         if place == "disk" and directory:
             os.makedirs(directory, exist_ok=True)
 
-    @property
-    def state_device(self) -> torch.device:
-        """Where the optimizer step runs: the training device without offload, else the CPU."""
-        return self.device if self.place == "none" else torch.device("cpu")
-
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32, pin: bool = False
               ) -> torch.Tensor:
         """A zero-filled 1-D tensor of ``numel`` elements in this store's place; ``pin``: it is

@@ -4,6 +4,12 @@ Shaped for splitting: ``tok_emb`` and ``pos_emb`` (the embedding), ``blocks`` (a
 ``ln_f`` and ``head`` (untied from the embedding) are separate attributes, so a pipeline stage can
 keep a slice of blocks and tensor parallelism can swap ``attn.qkv`` / ``attn.proj`` / ``mlp.fc`` /
 ``mlp.proj`` for parallel linears. ``forward`` returns logits; the loss is the caller's.
+
+Decoding: ``forward(idx, cache=KVCache(...))`` feeds only the new tokens and keeps every block's
+keys and values for the next call (positions continue from ``cache.length``); without a cache
+(training, the default) nothing changes. The cache holds at most ``block_size`` positions (the
+learned position table's length): a longer sequence is the caller's to cut (shardwise/models/
+decode.py recomputes the window then, as the no-cache path does).
 """
 from __future__ import annotations
 
@@ -25,6 +31,40 @@ class GPTConfig:
     dropout: float = 0.0
 
 
+class KVCache:
+    """Every block's keys and values for the first ``length`` positions of a batch, in buffers
+    of ``capacity`` positions allocated on first use (the shape, dtype and device of the first
+    keys written: a tp-local head count works unchanged). ``GPT.forward`` advances ``length``."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.length = 0                          # positions stored, the same for every block
+        self.keys: dict[int, torch.Tensor] = {}  # block index -> (B, h, capacity, hs)
+        self.values: dict[int, torch.Tensor] = {}
+
+    def layer(self, i: int) -> "LayerKV":
+        return LayerKV(self, i)
+
+
+class LayerKV:
+    """One block's view of a KVCache: ``update`` stores its new keys / values after the
+    ``start`` positions already held and returns all of them."""
+
+    def __init__(self, cache: KVCache, index: int):
+        self.cache, self.index, self.start = cache, index, cache.length
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, end = self.cache, self.start + k.shape[2]            # k, v: (B, h, T, hs)
+        if self.index not in c.keys:
+            shape = (*k.shape[:2], c.capacity, k.shape[3])
+            c.keys[self.index] = k.new_empty(shape)
+            c.values[self.index] = v.new_empty(shape)
+        K, V = c.keys[self.index], c.values[self.index]
+        K[:, :, self.start:end] = k
+        V[:, :, self.start:end] = v
+        return K[:, :, :end], V[:, :, :end]                    # (B, h, start + T, hs)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -36,14 +76,22 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1)             # each (B, T, C_local)
         # n_head may be a tp-local count: derive the head size from the local width.
         hs = q.shape[-1] // self.n_head
         q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in (q, k, v))  # (B, h, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        p = self.dropout if self.training else 0.0
+        if kv is None or kv.start == 0:          # no cache, or its first call: plain causal
+            if kv is not None:
+                kv.update(k, v)                  # attend to k, v themselves: the same kernel
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:                                    # query t sits at position start + t
+            K, V = kv.update(k, v)               # (B, h, start + T, hs)
+            mask = None if T == 1 else torch.ones(T, K.shape[2], dtype=torch.bool,
+                                                  device=x.device).tril(kv.start)
+            y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, dropout_p=p)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * hs)   # (B, T, C_local)
         return self.proj(y)
 
@@ -69,8 +117,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        """``kv``: this block's view of a KVCache when decoding (None: training)."""
+        x = x + self.drop(self.attn(self.ln_1(x), kv))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -99,16 +148,29 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, 0.0, 0.02)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token + position embedding: (B, T) int -> (B, T, C)."""
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Token + position embedding at positions start.. : (B, T) int -> (B, T, C)."""
         T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)
+        pos = torch.arange(start, start + T, device=idx.device)
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)                 # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) of ``idx``; with ``cache``, ``idx`` follows the ``cache.length``
+        tokens it holds (their keys and values are read, the new ones stored)."""
+        if cache is None:
+            x = self.embed(idx)             # (B, T, C)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))  # (B, T, vocab)
+        start, end = cache.length, cache.length + idx.shape[1]
+        room = min(cache.capacity, self.cfg.block_size)
+        if end > room:
+            raise ValueError(f"the KV cache holds {room} positions, {end} asked: recompute "
+                             "the last block_size tokens without the cache instead")
+        x = self.embed(idx, start)          # (B, T, C), positions start..end-1
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache.layer(i))
+        cache.length = end
         return self.head(self.ln_f(x))      # (B, T, vocab)
 
     def num_params(self) -> int:

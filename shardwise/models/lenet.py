@@ -1,4 +1,5 @@
-"""Seed 001's LeNet variant: conv 20@3x3, avgpool 2, conv 50@5x5, avgpool 2, fc 128, fc 10.
+"""LeNet (LeCun et al. 1998) as Dive into Deep Learning (d2l) trains it: conv 20@3x3,
+avgpool 2, conv 50@5x5, avgpool 2, fc 128, fc 10.
 
 Written with nn layers (ReLU after each conv and the first fc). Sized for 28x28 inputs (MNIST,
 Fashion-MNIST: flatten = 50*5*5 = 1250) and accepts any input size via a lazily computed flatten

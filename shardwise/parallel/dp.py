@@ -1,4 +1,4 @@
-"""Single-process data parallelism: seed 001's "from scratch" scheme, one process, k replicas.
+"""Single-process data parallelism: d2l's "from scratch" scheme, one process, k replicas.
 
 Partition: the model is replicated k times (one replica per CUDA device when there are k, else
 k CPU replicas), each with its own optimizer; the global batch is scattered into k equal row
@@ -6,7 +6,7 @@ blocks. One Python thread drives each replica's forward and backward (torch rele
 inside its kernels, so replicas run concurrently where the hardware allows).
 
 Collectives (device copies, not torch.distributed): after backward every replica's gradients are
-summed on replica 0 and the sum is broadcast back (seed 001's ``allreduce``: gather to one
+summed on replica 0 and the sum is broadcast back (d2l's ``allreduce``: gather to one
 device, add, copy out), divided by k (mean gradient); then every replica runs its own optimizer
 step on identical gradients, so the replicas stay identical.
 
@@ -22,9 +22,10 @@ Memory: k full copies of parameters, gradients and optimizer state in one proces
 Traffic per step: replica 0 receives (k-1) x 4P bytes and sends (k-1) x 4P bytes; metered as
 ``dp_reduce`` and ``dp_broadcast`` from replica 0's point of view.
 
-Why DDP beats it (seed 003): one process means one GIL shared by all replica threads, and all
-reduction work happens on replica 0 while the others wait; DDP runs a process per replica and
-spreads the reduction over the ring. Reference: seed 001 (d2l, "Multi-GPU training").
+Why DDP beats it (the usual DP vs DDP argument): one process means one GIL shared by all
+replica threads, and all reduction work happens on replica 0 while the others wait; DDP runs a
+process per replica and spreads the reduction over the ring. Reference: Dive into Deep Learning
+(d2l), "Multi-GPU training", the from-scratch version.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Parameter-server training (TensorFlow's ps / worker jobs, seed 002; Li et al., "Scaling
+"""Parameter-server training (TensorFlow's ps / worker jobs; Li et al., "Scaling
 Distributed Machine Learning with the Parameter Server", OSDI 2014).
 
 Roles: global ranks 0..P-1 are the ps tasks /job:ps/task:i, ranks P..P+W-1 the workers

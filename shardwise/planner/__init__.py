@@ -11,7 +11,7 @@ else from shardwise, so it runs anywhere instantly::
 
 Formulas and sources: docs/planner.md. Modules: ``hardware`` / ``catalogue`` (the machine),
 ``model`` (the network's shape), ``layout`` (a layout and a batch), ``memory``, ``comm`` and
-``cost`` (the cost model), ``search`` and ``explain`` (ranking, seed 000's guide), ``report``
+``cost`` (the cost model), ``search`` and ``explain`` (ranking, the strategy guide), ``report``
 and ``cli`` (``shardwise plan``).
 """
 from shardwise.planner.cost import Estimate, estimate

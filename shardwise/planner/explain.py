@@ -1,6 +1,7 @@
-"""Seed 000's strategy guide as rules, and the words that explain a plan in its terms.
+"""The strategy guide as rules, and the words that explain a plan in its terms.
 
-The guide (seed 000, last part, translated):
+The guide (the closing "choosing a strategy" part of OneFlow's "Common distributed parallel
+strategies", translated):
 
 - one GPU: if the model fits, use it as is; if not, offload to the CPU;
 - one node with several GPUs: if the model fits one GPU, DDP or ZeRO; if not, TP, ZeRO or PP;
@@ -119,7 +120,7 @@ def profile(e: Estimate) -> str:
 def explain(g: Guide, winner: Estimate | None, guide_best: Estimate | None,
             guide_closest: Estimate | None) -> str:
     """The verdict in the guide's terms: matches it, or beats it and why."""
-    lines = [f"Guide (seed 000): {g.case} -> {g.advice}."]
+    lines = [f"Strategy guide: {g.case} -> {g.advice}."]
     if winner is None:
         closest = f" (the guide's closest, {guide_closest.layout.describe()}: " \
             f"{guide_closest.why_not})" if guide_closest else ""

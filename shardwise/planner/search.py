@@ -14,7 +14,7 @@ interleaved 1F1B (v = 2, 4 where the stage has the layers) and ZB-H1 schedules.
 
 Layouts that do not fit are dropped; the rest are ranked by step time. Layouts within
 ``TIE_BAND`` of the fastest (the model's error band, docs/planner.md) are ties: among them the
-simplest goes first (seed 000's guide: fewer sharded states, no offload, no recomputation,
+simplest goes first (the strategy guide: fewer sharded states, no offload, no recomputation,
 fewer model splits, plain schedules), then the faster, then the one with less memory.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Plan:
     per_kind: dict[str, Estimate]
     """The best layout of every kind; one that does not fit only when none of its kind does."""
     guide: Guide
-    """Seed 000's rule for this situation."""
+    """The strategy guide's rule for this situation."""
     guide_best: Estimate | None
     """The fastest fitting layout the guide recommends."""
     explanation: str
@@ -139,8 +139,8 @@ def _family(lay: Layout) -> tuple:
 
 
 def complexity(layout: Layout) -> int:
-    """Moving parts, seed 000's order of preference (simplest first): sharded states, offload,
-    recomputation, model splits, parameter servers, schedules beyond GPipe / 1F1B."""
+    """Moving parts, the strategy guide's order of preference (simplest first): sharded states,
+    offload, recomputation, model splits, parameter servers, schedules beyond GPipe / 1F1B."""
     return (layout.zero + (layout.offload != "none") + (layout.offload_params != "none")
             + (layout.recompute != "none") + (layout.tp > 1) + (layout.pp > 1)
             + bool(layout.num_ps) + (layout.schedule in ("interleaved-1f1b", "zb-h1")))

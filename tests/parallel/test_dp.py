@@ -40,8 +40,9 @@ def _lenet(strategy, replicas):
                   logging=LoggingConfig(progress=False, out_dir="/tmp/shardwise-test-runs"))
 
 
-def test_seed001_lenet_one_and_two_replicas_reach_the_same_accuracy():
-    """Seed 001's experiment on scikit-learn's digits: same batch and learning rate, 1 vs 2 GPUs."""
+def test_d2l_lenet_one_and_two_replicas_reach_the_same_accuracy():
+    """d2l's multi-GPU experiment on scikit-learn's digits: same batch and learning rate,
+    1 vs 2 GPUs."""
     from shardwise.runtime import init_runtime
     from shardwise.train import train
     acc = {}

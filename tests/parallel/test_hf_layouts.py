@@ -134,7 +134,8 @@ def _world(rank, n, runs):
         losses, norms = [], []
         for x, y in token_batches(STEPS, BATCH):
             xs, ys = engine.shard(x, y)
-            loss = engine.loss_fn(engine(xs), ys)
+            # -ce: shardwise's cross-entropy, vocab-parallel under tp (engine(x) gathers)
+            loss = engine.loss(xs, ys) if tag.endswith("-ce") else engine.loss_fn(engine(xs), ys)
             engine.backward(loss)
             norms.append(float(engine.strategy.clip_grad_norm_(MAX_NORM)))
             engine.step()

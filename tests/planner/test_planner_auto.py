@@ -169,6 +169,35 @@ def test_cli_train_auto_end_to_end(tmp_path):
     out = done.stdout
     chosen = out.split("auto: running ")[1].split()[0]       # e.g. zero3, ddp, single
     assert chosen in KINDS
-    assert "auto: calibrated in" in out and "Guide (seed 000)" in out
+    assert "auto: calibrated in" in out and "Strategy guide: " in out
     assert f"shardwise {chosen}" in out                      # the run's own summary header
     assert any(name.startswith(chosen) for name in os.listdir(tmp_path))
+
+
+def test_choice_keeps_what_the_person_set():
+    """A --tp / --grad-accum / --offload the person gave rules out every layout that would change
+    it; the chosen one keeps them, and a setting no layout can keep is refused in one line."""
+    from shardwise.config import ConfigError
+    cfg = replace(_auto_cfg(16), model=replace(_auto_cfg().model, n_layer=4, n_embd=128))
+    said = []
+    free = autoplan.choose(cfg, _fake_calibration(1e6, 2.0), say=lambda *_: None)
+    assert free.config.parallel.strategy == "single"        # what auto picks when free
+    fixed = {"parallel.tp": 2}
+    kept = autoplan.choose(cfg, _fake_calibration(1e6, 2.0), say=said.append, fixed=fixed)
+    assert kept.config.parallel.tp == 2 and kept.estimate.layout.tp == 2
+    assert any("keeping what you set: --tp 2" in line for line in said)
+    both = autoplan.choose(cfg, _fake_calibration(10e9, 1.0), say=lambda *_: None,
+                           fixed={"memory.grad_accum": 1, "memory.offload": "none"})
+    assert both.config.memory.grad_accum == 1 and both.config.memory.offload == "none"
+    with pytest.raises(ConfigError) as exc:     # 3 pipeline stages of a 4-layer GPT on 2 ranks
+        autoplan.choose(cfg, _fake_calibration(10e9, 1.0), say=lambda *_: None,
+                        fixed={"parallel.pp": 3})
+    assert "--pp 3" in str(exc.value) and "fix:" in str(exc.value)
+
+
+def test_fixed_by_user_reads_only_what_was_given():
+    cfg = _auto_cfg()
+    given = {("parallel", "tp"), ("memory", "offload")}
+    assert autoplan.fixed_by_user(cfg, lambda s, n: (s, n) in given) == {
+        "parallel.tp": cfg.parallel.tp, "memory.offload": cfg.memory.offload}
+    assert autoplan.fixed_by_user(cfg, lambda s, n: False) == {}

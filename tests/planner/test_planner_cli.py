@@ -36,7 +36,7 @@ def test_table(capsys):
                  "--tokens", "1e6"]) == 0
     out = capsys.readouterr().out
     assert "winner" in out and "Estimated time to train on 1M tokens" in out
-    assert "Guide (seed 000): one node" in out
+    assert "Strategy guide: one node" in out
 
 
 def test_global_batch_in_tokens_and_overrides(capsys):

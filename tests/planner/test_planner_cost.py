@@ -75,7 +75,7 @@ def test_megatron_layout_for_gpt3_matches_the_published_34_days():
 
 
 def test_planner_gpt3_answer_is_about_a_month():
-    """Seed 000: 'about a month' on 1024 A100-80GB; the planner may beat Megatron's 2021
+    """The strategy guide: 'about a month' on 1024 A100-80GB; the planner may beat Megatron's 2021
     layout (it drops recomputation where memory allows) but stays in that neighbourhood."""
     result = plan(PRESETS["175B"], a100_cluster(), Batch(1536))
     megatron = estimate(Layout(dp=8, tp=8, pp=16, act_ckpt=True), PRESETS["175B"],

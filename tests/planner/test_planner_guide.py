@@ -1,4 +1,4 @@
-"""Seed 000's strategy guide, case by case: given matching hardware, the planner picks the
+"""The strategy guide, case by case: given matching hardware, the planner picks the
 guide's recommendation, or something faster and says why the guide's choice lost."""
 import pytest
 

@@ -40,3 +40,25 @@ def check(cfg: Config, world_size: int, stage: int) -> None:
         raise ConfigError("parallel.zero3_units", cfg.parallel.zero3_units,
                           f"{bad[0]!r} is not a class name", "give module class names, e.g. "
                           "'Block' or 'GPT2Block,LlamaDecoderLayer'")
+
+
+class UnusedParameters(ConfigError, RuntimeError):
+    """Trainable parameters that got no gradient in a step, under a data-parallel stage that
+    needs every one (one line: the parameters, the setting that handles them). A ConfigError
+    (``shardwise train`` prints it as one line, exit 2) and a RuntimeError (what a user's
+    loop catches around ``engine.step()``)."""
+
+    def __init__(self, layout: str, names: list[str], field: str, value, why: str, fix: str):
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        super().__init__(field, value, f"{layout}: {len(names)} trainable parameter(s) got no "
+                         f"gradient in this step ({shown or 'unknown'}); {why}", fix)
+
+
+def unused_fix(stage: int, dp: int, pp: int) -> str:
+    """What handles parameters without a gradient under this layout."""
+    drop = "use them in forward, or freeze them (requires_grad_(False)) before prepare"
+    if pp > 1:
+        return f"{drop} (a pipeline needs every stage parameter used)"
+    if stage == 0:
+        return f"pass --find-unused (ParallelConfig(find_unused=True)), or {drop}"
+    return f"{drop}, or train with --zero-stage 0 --find-unused (DDP)"

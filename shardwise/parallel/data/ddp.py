@@ -31,7 +31,9 @@ rank marks the parameters whose gradient hook ran, one small allreduce (max; met
 ``ddp_unused``, one byte-sized float per parameter) tells every rank which got a gradient on
 any rank, and those that got none have ``.grad`` None during the optimizer step, so torch.optim
 skips them exactly as in single-process training (Adam's moments and weight decay do not move
-them). Without ``find_unused`` such a parameter is reported by name.
+them). Without ``find_unused`` such a parameter is reported by name (one line,
+parallel/data/checks.py UnusedParameters); with one replica (dp = 1) there is nothing to wait
+for, so it is left out of the step as in plain PyTorch and ``find_unused`` is not needed.
 
 A user's own loop may drive the optimizer itself. Its ``zero_grad`` (torch's default
 set_to_none=True) zeroes the buckets in place instead of dropping the ``.grad`` views; a
@@ -41,7 +43,7 @@ step pre-hook (torch.optim's ``register_step_pre_hook``) that finishes the reduc
 ``engine.optimizer.step()`` equals ``engine.step()`` but for zeroing the gradients.
 
 Reference: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
-VLDB 2020; seed 003.
+VLDB 2020.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ import torch.nn as nn
 from shardwise.comm.buckets import Bucket, FlatBroadcast, GradBuckets, broadcast_coalesced
 from shardwise.comm.reducer import Reducer
 from shardwise.memory.amp import DTYPES
+from shardwise.parallel.data.checks import UnusedParameters, unused_fix
 from shardwise.parallel.base import OptimizerFactory, Strategy, grad_sq, optimizer_state_bytes, \
     tensor_bytes, trainable
 
@@ -66,7 +69,9 @@ class DDPStrategy(Strategy):
         self.group = self.mesh.dp_group
         self._broadcast_state()
         p = self.cfg.parallel
-        self.overlap, self.find_unused = p.overlap, p.find_unused
+        # one replica: nothing to wait for, so a parameter without a gradient is left out of
+        # the step as in plain PyTorch (find_unused's bookkeeping, with no collective)
+        self.overlap, self.find_unused = p.overlap, p.find_unused or self.group.size == 1
         self.compress = DTYPES.get(p.grad_compression)   # None for "none"
         self.reducer = Reducer(self.comm, self.group, p.allreduce, self.device)
         self.buckets = GradBuckets(list(self.model.named_parameters()), p.bucket_mb * 2**20,
@@ -133,13 +138,13 @@ class DDPStrategy(Strategy):
         if self._synced:
             return
         self.buckets.reattach()
-        if self.overlap and not self.find_unused:
-            missing = self.buckets.unready()
-            if missing:
-                names = [n for b in missing for n, q in zip(b.names, b.params)][:5]
-                raise RuntimeError(
-                    f"ddp: some parameters got no gradient in this step (in buckets with {names}); "
-                    "fix: pass --find-unused (find_unused=True) or use every parameter in forward")
+        if not self.find_unused and self.buckets.unready():
+            unused = [n for n, u in zip(self.buckets.names, self.buckets.used) if not u]
+            field, value = (("parallel.find_unused", False) if self.mesh.pp == 1 else
+                            ("parallel.pp", self.mesh.pp))
+            raise UnusedParameters("ddp", unused, field, value,
+                                   "DDP reduces each bucket once all its gradients arrived",
+                                   unused_fix(0, self.group.size, self.mesh.pp))
         n = self.group.size
         for bucket in self.buckets.buckets:   # what backward left, still in index order
             self._launch(bucket)

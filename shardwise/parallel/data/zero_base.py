@@ -161,6 +161,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
     def _on_grad(self, p: nn.Parameter) -> None:
         """Autograd finished accumulating ``p.grad``: count it towards its chunk."""
         c = self.chunks[self._chunk_of[p]]
+        c.extra.setdefault("got", set()).add(id(p))     # named when a chunk stays unready
         if self.stage >= 2:
             self._stage_grad(c, p)
         c.pending -= 1
@@ -206,7 +207,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
             out = self.model(*args, **kwargs)
         else:
             for c in self.chunks:        # a new backward: count every chunk's gradients afresh
-                c.pending, c.extra["readied"] = c.trainable, False
+                c.pending, c.extra["readied"], c.extra["got"] = c.trainable, False, set()
             with self._measure_activations():
                 out = self.model(*args, **kwargs)
         return tree_map(lambda t: _cast(t, torch.float32), out) if low else out

@@ -16,6 +16,7 @@ import torch.nn as nn
 from shardwise.comm.flat import alloc_storage, free_storage, storage_bytes
 from shardwise.memory.loss_scale import has_nonfinite
 from shardwise.parallel.base import grad_sq
+from shardwise.parallel.data.checks import UnusedParameters, unused_fix
 
 
 class ZeroGradients:
@@ -93,12 +94,12 @@ class ZeroGradients:
         would leave its chunk unreduced (and the update silently wrong), so stop instead."""
         missing = [c for c in self.chunks if c.trainable and not c.extra.get("readied", True)]
         if missing:
-            names = [n for n, p in self.model.named_parameters()
-                     if any(p is q for c in missing for q in c.params) and p.grad is None][:5]
-            raise RuntimeError(f"{self.name}: some parameters got no gradient in this step "
-                               f"({names or 'in a partly used unit'}); ZeRO needs every parameter "
-                               "used in each forward; fix: use them all, or train with --strategy ddp "
-                               "--find-unused")
+            got = set().union(*(c.extra.get("got", set()) for c in missing))
+            unused = [n for n, p in self.model.named_parameters() if p.requires_grad and
+                      id(p) not in got and any(p is q for c in missing for q in c.params)]
+            raise UnusedParameters(self.name, unused, "parallel.zero_stage", self.stage, "ZeRO reduces a unit once all its "
+                                   "gradients arrived, so it needs every parameter used in "
+                                   "each forward", unused_fix(self.stage, self.group.size, 1))
 
     # -- clipping hooks (base.Strategy.clip_grad_norm_) -----------------------------------
     def _finish_grad_sync(self) -> None:

@@ -1,0 +1,179 @@
+"""Every generated block of the docs, written from its source (result JSON, the CLI's parsers).
+
+    python scripts/gen_docs.py            # rewrite every generated block in README.md and docs/
+    python scripts/gen_docs.py --check    # exit 1 and name each block that differs (CI, tests)
+
+A generated block is the text between
+
+    <!-- generated: KIND ARGS -->
+    ...
+    <!-- /generated -->
+
+and KIND is one of:
+
+    bench-table FOLDER      the benchmark rows of FOLDER's JSON (shardwise.bench.report.table):
+                            throughput, runs, peak memory, ratio against the PyTorch peer
+    bench-provenance FOLDER where those rows ran: date, commit, dirty flag, machine, load
+    gpu-table FILE...       shardwise/bench/gpu.py's gpu.json files (report.gpu_table)
+    gpu-summary FILE...     a line per case with a peer: ratio, MFU, the ledger's gap
+    generate-speed FILE     shardwise/bench/generate_speed.py's JSON: with and without the cache
+    cli-reference           every command's options, from the same parsers ``--help`` prints
+
+So a measured figure in the docs is never typed: change a number in a block and ``--check``
+fails (tests/test_docs.py), re-run the benchmark and this script rewrites it.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = re.compile(r"(<!-- generated: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /generated -->)",
+                   re.S)
+
+
+def bench_table(folder: str) -> str:
+    from shardwise.bench.report import load, table
+    rows = load(os.path.join(ROOT, folder))
+    if not rows:
+        raise SystemExit(f"error: no benchmark rows in {folder}")
+    return table(rows)
+
+
+def bench_provenance(folder: str) -> str:
+    from shardwise.bench.report import load
+    rows = load(os.path.join(ROOT, folder))
+    machines = [r.get("machine", {}) for r in rows]
+    dates = sorted(m.get("date", "?") for m in machines)
+    commits = sorted({str(m.get("commit")) for m in machines})
+    dirty = sorted({str(m.get("dirty", "not recorded")) for m in machines})
+    m = machines[0] if machines else {}
+    return (f"{len(rows)} rows from `{folder}/`, run {dates[0]} to {dates[-1]}; commit(s) "
+            f"{', '.join(commits)}; uncommitted changes: {', '.join(dirty)}; {m.get('cpus', '?')} "
+            f"CPUs, {m.get('processor', '?')}, torch {m.get('torch', '?')}, GPU: "
+            f"{m.get('cuda') or 'none'}.\n")
+
+
+def gpu_tables(*files: str) -> str:
+    from shardwise.bench.report import gpu_table
+    return "\n".join(gpu_table(json.load(open(os.path.join(ROOT, f)))) for f in files)
+
+
+def gpu_summary(*files: str) -> str:
+    """One line per case with a peer: shardwise's and PyTorch's tokens/s (medians), the ratio,
+    shardwise's MFU and its ledger's gap to the measured peak; where and when it ran."""
+    import statistics
+    lines = []
+    for f in files:
+        data = json.load(open(os.path.join(ROOT, f)))
+        m = data.get("machine", {})
+        for r in data.get("ratios", []):
+            mine = [c for c in data["cases"] if (c.get("size"), c.get("case")) ==
+                    (r["size"], r["case"]) and c.get("impl") == "shardwise" and "mfu" in c]
+            mfu = statistics.median(c["mfu"] for c in mine if c["mfu"] is not None)
+            gaps = [c["ledger_gap"] for c in mine if c.get("ledger_gap") is not None]
+            gap = f", ledger {100 * statistics.median(gaps):+.1f}% of the measured peak" if gaps else ""
+            lines.append(f"- {r['size']} {r['case']}: {r['ratio']:.3f}x the plain PyTorch loop's "
+                         f"tokens/s ({r['shardwise_tokens_per_s']:,.0f} vs "
+                         f"{r['pytorch_tokens_per_s']:,.0f}), MFU {100 * mfu:.1f}%{gap} "
+                         f"({m.get('gpu', '?')}, {m.get('date', '?')[:10]})")
+    return "\n".join(lines) + "\n"
+
+
+def generate_speed(path: str) -> str:
+    """shardwise/bench/generate_speed.py's JSON: with and without the KV cache."""
+    d = json.load(open(os.path.join(ROOT, path)))
+    m, mc = d["model"], d["machine"]
+    rows = ["| decoding | runs (s) | median (s) | tokens/s |", "|---|---|---|---|"]
+    for key, label in (("cache", "KV cache"), ("no_cache", "recomputing the window")):
+        r = d[key]
+        rows.append(f"| {label} | {', '.join(f'{x:.2f}' for x in r['seconds'])} | "
+                    f"{r['median_s']:.2f} | {r['tokens_per_s']:,.1f} |")
+    rows += ["", f"Speed-up {d['speedup']:.1f}x (medians), the same tokens: {d['same_tokens']}. "
+             f"Our GPT, {m['n_layer']} layers x {m['n_embd']}, {m['params']:,} parameters, "
+             f"prompt {d['prompt_len']} tokens, {d['new_tokens']} new, {d['decoding']}, "
+             f"{d['threads']} thread(s); `{d['command']}`; {mc.get('date')}, commit "
+             f"{mc.get('commit')}{' (uncommitted changes)' if mc.get('dirty') else ''}, "
+             f"{mc.get('cpus')} CPUs {mc.get('processor')}, torch {mc.get('torch')}."]
+    return "\n".join(rows)
+
+
+def cli_reference() -> str:
+    """Each command's usage and options, as ``--help`` prints them (one source)."""
+    from shardwise import cli, generate
+    from shardwise.bench.run import parser as bench_parser
+    from shardwise.planner.cli import build_parser as plan_parser
+    parsers = [("shardwise train", cli.train_parser()), ("shardwise plan", plan_parser()),
+               ("shardwise bench", bench_parser()), ("shardwise checkpoint", cli.checkpoint_parser()),
+               ("shardwise generate", generate.parser(cli._OneLineParser))]
+    out = ["The options of every command, generated from the parsers that `--help` prints "
+           "(`python scripts/gen_docs.py`). `shardwise` alone lists the commands:", "",
+           "```text", cli.USAGE, "```", ""]
+    for name, ap in parsers:
+        ap.prog = name
+        os.environ["COLUMNS"] = "100"
+        out += [f"## `{name}`", "", "```text", ap.format_help().rstrip(), "```", ""]
+    return "\n".join(out)
+
+
+KINDS = {"bench-table": bench_table, "bench-provenance": bench_provenance,
+         "gpu-table": gpu_tables, "gpu-summary": gpu_summary, "generate-speed": generate_speed,
+         "cli-reference": cli_reference}
+
+
+def render(spec: str) -> str:
+    kind, *args = spec.split()
+    if kind not in KINDS:
+        raise SystemExit(f"error: unknown generated block kind {kind!r}; known: {list(KINDS)}")
+    text = KINDS[kind](*args)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def pages() -> list[str]:
+    return [os.path.join(ROOT, "README.md")] + sorted(
+        glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+
+
+def process(path: str, check: bool) -> list[str]:
+    """Rewrite (or check) the blocks of one page; the specs of the blocks that differed."""
+    text = open(path).read()
+    stale = []
+
+    def fresh(match):
+        body = render(match.group("spec"))
+        if body != match.group("body"):
+            stale.append(match.group("spec"))
+        return match.group(1) + body + match.group(4)
+    new = BLOCK.sub(fresh, text)
+    if not check and new != text:
+        with open(path, "w") as fh:
+            fh.write(new)
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block differs")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    differ = []
+    for path in pages():
+        for spec in process(path, args.check):
+            differ.append(f"{os.path.relpath(path, ROOT)}: {spec}")
+    if differ:
+        verb = "differs from its source" if args.check else "rewritten"
+        for d in differ:
+            print(f"{d}: {verb}", file=sys.stderr if args.check else sys.stdout)
+        if args.check:
+            print("fix: python scripts/gen_docs.py", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The docs: every generated block equals what its source generates today (measured figures from
+result JSON, the CLI reference from the parsers), and a changed number is caught.
+
+``python scripts/gen_docs.py`` rewrites the blocks; ``--check`` (this test, and CI through it)
+fails naming each block that differs. ``mkdocs build --strict`` (broken links, pages missing from
+the navigation) runs in .ci/run, where the docs extra is installed.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import gen_docs  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_every_generated_block_matches_its_source():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gen_docs.py"), "--check"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+
+
+def _pages_with(kind: str) -> list[str]:
+    return [p for p in gen_docs.pages() if f"<!-- generated: {kind}" in open(p).read()]
+
+
+@pytest.mark.parametrize("kind", ["bench-table", "gpu-table"])
+def test_a_changed_figure_is_caught(tmp_path, kind):
+    """Change one number in a measured table: the check names that block."""
+    pages = _pages_with(kind)
+    assert pages, f"no page carries a generated {kind} block"
+    text = open(pages[0]).read()
+    block = gen_docs.BLOCK.search(text[text.index(f"<!-- generated: {kind}"):])
+    number = re.search(r"\d[\d,]*\.\d+|\d{2,}", block.group("body"))
+    body = block.group("body")
+    changed = body[:number.start()] + str(int(number.group().replace(",", "")[0]) % 9 + 1) + \
+        body[number.start() + 1:]
+    assert changed != body
+    page = tmp_path / "page.md"
+    page.write_text(text.replace(body, changed, 1))
+    assert gen_docs.process(str(page), check=True), "a changed figure went unnoticed"
+    page.write_text(text)
+    assert not gen_docs.process(str(page), check=True)
