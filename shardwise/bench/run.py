@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import functools
 import importlib
 import json
 import os
@@ -85,9 +86,11 @@ def machine() -> dict:
             "load": [round(x, 2) for x in os.getloadavg()]}
 
 
+@functools.lru_cache(maxsize=1)
 def dirty() -> bool | None:
-    """Whether the checkout had uncommitted changes to tracked files (SHARDWISE_DIRTY=0/1 when
-    a copy of the tree says so itself); None where no git answers (an installed wheel)."""
+    """Whether the checkout had uncommitted changes to tracked files when this process first
+    asked (before a run writes its own results, which may be tracked files: docs/bench/);
+    SHARDWISE_DIRTY=0/1 when a copy of the tree says so itself; None where no git answers."""
     if os.environ.get("SHARDWISE_DIRTY") in ("0", "1"):
         return os.environ["SHARDWISE_DIRTY"] == "1"
     import subprocess
@@ -206,6 +209,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    dirty()          # the tree as it was before this run writes any result (cached)
     rows = all_rows()
     if args.list:
         for name, (family, row) in rows.items():
