@@ -81,33 +81,12 @@ def provenance(device) -> dict:
     """The GPU, driver, software, commit (and whether the checkout had uncommitted changes)."""
     import torch
     from shardwise.bench.run import machine
-    out = machine()
-    out["commit"], out["dirty"] = _git()
+    out = machine()          # commit and dirty flag included (SHARDWISE_COMMIT / _DIRTY win)
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
         out["cuda_runtime"] = torch.version.cuda
         out["driver"] = _nvidia_smi("driver_version")
     return out
-
-
-def _git() -> tuple[str | None, bool | None]:
-    """(commit, dirty): the environment's SHARDWISE_COMMIT / SHARDWISE_DIRTY when set (a copy
-    of the tree on another machine, whose .git, if any, may be stale), else git's answer."""
-    if os.environ.get("SHARDWISE_COMMIT"):    # said by whoever copied the tree: it wins
-        dirty = os.environ.get("SHARDWISE_DIRTY")
-        return os.environ["SHARDWISE_COMMIT"], None if dirty is None else dirty == "1"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10)
-        if head.returncode == 0:
-            dirty = subprocess.run(["git", "-C", root, "status", "--porcelain",
-                                    "--untracked-files=no"], capture_output=True, text=True,
-                                   timeout=10).stdout.strip() != ""
-            return head.stdout.strip(), dirty
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return None, None
 
 
 def _nvidia_smi(field: str) -> str | None:

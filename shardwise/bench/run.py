@@ -105,7 +105,11 @@ def dirty() -> bool | None:
 
 def commit() -> str | None:
     """The checkout's HEAD commit (short), read from .git's files (no git binary); None when
-    the package does not sit in a git checkout (an installed wheel)."""
+    the package does not sit in a git checkout (an installed wheel). SHARDWISE_COMMIT wins when
+    set: a copy of the tree on another machine says which commit it is (its .git, if any, may
+    be stale)."""
+    if os.environ.get("SHARDWISE_COMMIT"):
+        return os.environ["SHARDWISE_COMMIT"]
     folder = os.path.dirname(os.path.abspath(__file__))
     while True:
         git = os.path.join(folder, ".git")
