@@ -66,11 +66,6 @@ def resolve(cfg: Config, explicit_strategy: bool | None = None) -> Config:
                               f"{_FLAGS[name]} {fixed}", f"drop --strategy (the axis flags and "
                               f"--zero-stage compose alone), or drop {_FLAGS[name]}")
     stage = zero_stage(cfg)
-    if p.pp > 1 and stage >= 2:
-        raise ConfigError("parallel.zero_stage", stage, "ZeRO-2 / ZeRO-3 do not combine with "
-                          "pipeline parallelism (each stage's gradients arrive over many "
-                          "interleaved micro-batches)", "use --zero-stage 0 or 1 with --pp, or "
-                          "drop --pp")
     name = p.strategy
     if not explicit_strategy:
         if p.tp == 1 and p.pp == 1:
@@ -111,12 +106,12 @@ def check_model_names(cfg: Config) -> None:
 
 # what to change so that a refused setting is read (validate.check_ignored's fix)
 WHERE_READ = {
-    "offload": "--zero-stage 1, 2 or 3 (without --pp)", "offload_dir": "--offload disk",
-    "bucket_mb": "--zero-stage 0, or 1-2 without --pp",
-    "overlap": "--zero-stage 0, or any stage without --pp",
+    "offload": "--zero-stage 1, 2 or 3", "offload_dir": "--offload disk",
+    "bucket_mb": "--zero-stage 0, 1 or 2",
+    "overlap": "ddp, zeroN, tp, pp or 3d",
     "allreduce": "ddp, zeroN, tp, pp or 3d (shm: --zero-stage 0, whose all-reduce it serves)", "find_unused": "--zero-stage 0 (without --pp)",
     "grad_compression": "--zero-stage 0",
-    "zero3_units": "--zero-stage 3 (without --pp)", "zero_stage": "ddp, zeroN, tp, pp or 3d",
+    "zero3_units": "--zero-stage 3", "zero_stage": "ddp, zeroN, tp, pp or 3d",
     "zero1_over_dp": "--pp 2 or more (else --zero-stage 1)", "replicas": "--strategy dp",
     "num_microbatches": "--pp 2 or more", "schedule": "--pp 2 or more",
     "stage_layers": "--pp 2 or more", "pp_transport": "--pp 2 or more",

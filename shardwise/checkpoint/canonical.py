@@ -14,8 +14,8 @@ Loading (another layout): every rank reads the model tensors into the plain mode
 the optimizer tensors, and ``strategy.load_canonical_optimizer_state`` keeps this rank's piece.
 
 Layouts whose optimizer state has this form: single, dp (replica 0's; every replica loads it),
-ddp, zero1-3, tp, the pipeline (pp and 3d: its stages' states merged over pp, parallel/state.py's
-PipelineState) and the parameter server (its ps tasks' states merged over the world,
+ddp, zero1-3, tp, the pipeline (pp and 3d: its stages' states merged over pp, parallel/pipeline/
+driver.py) and the parameter server (its ps tasks' states merged over the world,
 parallel/ps.py), with Adam, AdamW or SGD (:func:`why_not_reshardable`). 8-bit AdamW (moments
 quantised in blocks of the flat shard: a reshard would re-block them) and LoRA (the adapters are
 injected inside ``prepare``, after the plain model is loaded) keep their own layouts: their

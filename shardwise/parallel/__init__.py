@@ -1,4 +1,6 @@
-"""Strategies, one per file; ``strategy_class(name)`` maps a config name to its class.
+"""Strategies by config name; ``strategy_class(name)`` maps a name to the class that runs it
+(the composed names: the class at the top of what compose.parallelize builds: the data-parallel
+component, or with pp the pipeline driver; tp's slices are parallel/tensor.py's).
 
 Imported lazily so that a run pays only for the strategy it uses, and so that a strategy file
 that fails to import does not break the others.
@@ -15,9 +17,9 @@ STRATEGY_CLASSES = {
     "zero1": "shardwise.parallel.data.zero:Zero1Strategy",
     "zero2": "shardwise.parallel.data.zero:Zero2Strategy",
     "zero3": "shardwise.parallel.data.zero:Zero3Strategy",
-    "tp": "shardwise.parallel.hybrid:HybridStrategy",
-    "pp": "shardwise.parallel.hybrid:HybridStrategy",
-    "3d": "shardwise.parallel.hybrid:HybridStrategy",
+    "tp": "shardwise.parallel.tensor:TensorPlan",
+    "pp": "shardwise.parallel.pipeline.driver:PipelineDriver",
+    "3d": "shardwise.parallel.pipeline.driver:PipelineDriver",
     "ps": "shardwise.parallel.ps:ParameterServerStrategy",
 }
 

@@ -2,7 +2,22 @@
 
 Every strategy (single, ddp, dp, zero1-3, tp, pp, 3d, ps) is a subclass of :class:`Strategy`, and
 one training loop (shardwise/train.py) and one user-facing engine (shardwise/api.py) drive them
-all through these methods:
+all through these methods. A composed layout (parallel/compose.py) is two of them, each a
+small contract of its own:
+
+  the driver              how forward and backward run for one step: the plain loop below
+                          (``train_step``: grad_accum passes, then clip and step), or a
+                          pipeline (parallel/pipeline/driver.py: micro-batches, schedule,
+                          executor, timeline)
+  the gradient sync       the data-parallel component over dp (parallel/data/: DDP, ZeRO 1-3):
+                          ``wrap`` attaches it to parameters and builds the optimizer on what
+                          it shards; ``begin_pass`` / ``before_backward(last)`` / ``no_sync``
+                          say which backward reduces; ``_finish_grad_sync`` completes the
+                          step's reduction; ``step``, the clipping hooks, ``memory_ledger`` and
+                          the state dicts finish the contract. Without a pipeline the
+                          component is also the driver (it inherits the plain loop).
+
+The whole contract:
 
     wrap(model, optimizer_factory)   take ownership of the model, build the optimizer
     data_shard() -> (index, count)   which slice of each global batch this process trains on
@@ -190,6 +205,21 @@ class Strategy(ActivationLedger, LossScaling, StrategyState):
     def no_sync(self):
         """Skip gradient communication inside (accumulation micro-steps); plain: nothing to skip."""
         yield
+
+    # -- the gradient-sync contract as a driver other than train_step uses it ----------------
+    accumulate_unsharded = False   # a pipeline's request: keep gradients whole until reduced
+
+    def begin_pass(self) -> None:
+        """A driver starts a step's pass of forwards and backwards that it runs itself (the
+        pipeline: one per grad_accum pass): count gradients afresh. Plain: nothing to count."""
+
+    def before_backward(self, last: bool) -> None:
+        """Before each backward a driver runs itself: ``last`` when it is the step's final one,
+        which may reduce as gradients arrive; the others accumulate locally. Plain: nothing."""
+
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype of the gradients this rank accumulates (a driver's placeholders match)."""
+        return next((q.dtype for q in self.model.parameters() if q.requires_grad), torch.float32)
 
     def step(self) -> None:
         if not self._overflowed():       # fp16: skipped on every rank when any overflowed

@@ -2,7 +2,8 @@
 
     parallelize(model, optimizer_factory, cfg, mesh, comm, device, loss_fn) -> Strategy
 
-Order (torchtitan's ``parallelize``; each step sees only what the earlier ones made):
+Order (torchtitan's ``parallelize``; each step sees only what the earlier ones made, and the code
+below follows it step by step):
 
  0. model techniques  LoRA adapters injected (``memory.lora_rank`` > 0: base weights frozen;
                      memory/lora.py), then ``memory.freeze``'s globs frozen (memory/freeze.py):
@@ -12,23 +13,34 @@ Order (torchtitan's ``parallelize``; each step sees only what the earlier ones m
                      blocks and where stages cut (models/plans.py: shardwise's GPT, HF GPT-2
                      and Llama, registered user classes; a model without one: tp and pp are
                      refused with one line)
- 2. tensor parallel  global rank 0's weights broadcast over the world (meter
-                     ``init_broadcast``), then the GPT's layers swapped for their tp slices over
-                     ``mesh.tp_group``; the loss becomes the vocab-parallel cross-entropy
- 3. pipeline split   ``pp`` > 1: this rank keeps its stage (parallel/pipeline/), driven by the
-                     schedule; done by parallel/hybrid.py together with steps 2 and 6
- 4. activation checkpointing   each block's forward recomputed in backward (memory/)
- 5. mixed precision  inside the data-parallel step: autocast around forward (stage 0), or bf16 /
-                     fp16 working copies with fp32 masters (stages 1-3)
- 6. data parallel    the component of parallel/data/ at ``zero_stage`` 0-3 over ``mesh.dp_group``
-                     (pp > 1: hybrid.py hands each stage to DDP at stage 0, or runs its
-                     flat ZeRO-1 at stage 1)
- 7. optimizer wrappers   the optimizer built on what the stage shards; offload of masters and
-                     states (memory/offload.py, stages 1-3)
+ 2. tensor parallel  tp > 1 or pp > 1: global rank 0's weights broadcast over the world (meter
+                     ``init_broadcast``: slices and stages are cut from the same weights), then
+                     the layers swapped for their tp slices over ``mesh.tp_group``; the loss
+                     becomes the vocab-parallel cross-entropy (parallel/tensor.py)
+ 3. pipeline split   pp > 1: this rank keeps its stage, or its v chunks when interleaved
+                     (parallel/pipeline/driver.cut)
+ 4. activation checkpointing   each of this rank's blocks recomputed in backward (memory/)
+ 5. mixed precision  the run's precision reaches every later step through the config: the
+                     component's autocast (stage 0, and the pipeline's executor), or bf16 /
+                     fp16 working copies with fp32 masters (stages 1-3); fp16 adds the
+                     component's loss scaler
+ 6. gradient sync    the data-parallel component of parallel/data/ at ``zero_stage`` 0-3 over
+                     ``mesh.dp_group``, on whatever steps 2-3 left (the whole model, its tp
+                     slice, or this rank's stage; a TensorPlan tells it how the norm sums over
+                     tp and pp); under a pipeline its gradients stay whole until the step's
+                     last backward (``accumulate_unsharded``)
+ 7. optimizer wrappers   the optimizer built by the component on what it shards (the user's
+                     factory, its parameter groups kept; 8-bit Adam when the factory makes it);
+                     offload of masters and states (memory/offload.py, stages 1-3)
+ 8. driver           pp = 1: the component runs the step itself (Strategy.train_step, the
+                     plain loop); pp > 1: parallel/pipeline/driver.PipelineDriver runs the
+                     schedule and hands the component its gradients
 
-The strategy names are presets of (zero stage, tp, pp) (shardwise/layout.py), so ``ddp``,
-``zero1``-``zero3``, ``tp``, ``pp`` and ``3d`` all come through here; ``single``, ``dp``
-(one-process replicas) and ``ps`` (parameter server) are layouts of their own and skip steps 1-3.
+The strategy names ``ddp``, ``zero1``-``zero3``, ``tp``, ``pp`` and ``3d`` are presets of
+(zero stage, tp, pp) (shardwise/presets.py), so they all come through steps 1-8. ``single``,
+``dp`` (one process's replicas, torch.nn.DataParallel's scheme) and ``ps`` (parameter server)
+stay layouts of their own: they run on no mesh axis (single, dp) or on roles instead of one
+(ps: servers and workers), take steps 0 and 4 only, and are built by the registry.
 """
 from __future__ import annotations
 
@@ -37,16 +49,17 @@ import torch.nn as nn
 
 from shardwise.comm.collectives import Comm
 from shardwise.config import Config
-from shardwise.presets import DATA_MODEL, zero_stage
 from shardwise.memory.checkpointing import apply_activation_checkpointing
 from shardwise.memory.freeze import freeze
 from shardwise.memory.lora import inject_lora
 from shardwise.mesh import Mesh
-from shardwise.models.plans import plan_of
+from shardwise.models.plans import block_class_names, plan_of
 from shardwise.parallel import strategy_class
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
 from shardwise.parallel.data import stage_class
+from shardwise.parallel.pipeline import driver
 from shardwise.parallel.tensor import TensorPlan, split_from_rank0
+from shardwise.presets import DATA_MODEL, zero_stage
 
 
 def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Config, mesh: Mesh,
@@ -54,31 +67,54 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
     """Apply ``cfg``'s layout (resolved: shardwise/layout.resolve) to ``model`` in the order of
     the module docstring; returns the strategy that trains it."""
     p, m = cfg.parallel, cfg.memory
-    if m.lora_rank > 0:                                           # 0
+    if m.lora_rank > 0:                                                   # 0
         inject_lora(model, m.lora_rank, m.lora_alpha, m.lora_targets)
     if m.freeze:
         freeze(model, m.freeze)
-    if m.activation_checkpointing:                                # 4 (before any hooks)
-        plan = plan_of(model)
-        apply_activation_checkpointing(model, None if plan is None else plan.blocks_of(model))
-    if p.strategy not in DATA_MODEL:                              # single, dp, ps
+    plan = plan_of(model)                                                 # 1
+    blocks = None if plan is None else plan.blocks_of(model)
+    if p.strategy not in DATA_MODEL:                          # single, dp, ps: their own layouts
+        if m.activation_checkpointing:                                    # 4
+            apply_activation_checkpointing(model, blocks)
         strategy = strategy_class(p.strategy)(cfg, mesh, comm, device, loss_fn)
         strategy.wrap(model, optimizer_factory)
         return strategy
-    if (mesh.tp > 1 or mesh.pp > 1) and plan_of(model) is None:   # 1
+    if (mesh.tp > 1 or mesh.pp > 1) and plan is None:
         name = type(model).__name__
         raise TypeError(f"tensor and pipeline parallelism split a model by its plan; {name} "
                         f"has none; fix: shardwise.register_plan({name}, ModelPlan(...)) "
                         "(shardwise/models/plans.py), or use --dp with --zero-stage 0-3")
-    if mesh.pp > 1:                                               # 2, 3, 6 in hybrid.py
-        strategy = strategy_class("3d")(cfg, mesh, comm, device, loss_fn)
-        strategy.wrap(model, optimizer_factory)
-        return strategy
-    plan = None
-    if mesh.tp > 1:                                               # 2
+    specs = {}
+    if mesh.tp > 1 or mesh.pp > 1:                                        # 2
         model, specs, loss_fn = split_from_rank0(model, mesh, comm, device, loss_fn)
-        plan = TensorPlan(specs, comm, mesh.tp_group)
-    strategy = stage_class(zero_stage(cfg))(cfg, mesh, comm, device, loss_fn)   # 5, 6, 7
-    strategy.plan = plan
-    strategy.wrap(model, optimizer_factory)
-    return strategy
+    cut, units = None, block_class_names(model)
+    if mesh.pp > 1:                                                       # 3
+        cut = driver.cut(model, cfg, mesh)
+        model = cut.stage
+    if m.activation_checkpointing:                                        # 4
+        mine = {id(b) for b in model.modules()}
+        apply_activation_checkpointing(model, None if blocks is None else
+                                       [b for b in blocks if id(b) in mine])
+    # 5: the precision is read from cfg.memory by the component and the executor
+    grads = stage_class(zero_stage(cfg))(cfg, mesh, comm, device, loss_fn)   # 6
+    grads.plan = _tensor_plan(model, specs, cut, comm, mesh)
+    if cut is not None:
+        grads.accumulate_unsharded = True
+        if zero_stage(cfg) == 3:
+            grads.unit_classes = units    # ZeRO-3's units: the whole model's block class
+    grads.wrap(model, optimizer_factory)                                  # 6, 7
+    if cut is None:                                                       # 8
+        return grads
+    return driver.PipelineDriver(cfg, mesh, comm, device, loss_fn, cut, grads)
+
+
+def _tensor_plan(model: nn.Module, specs: dict, cut, comm: Comm, mesh: Mesh) -> TensorPlan | None:
+    """What the gradient-sync component must know of steps 2 and 3: the tp split of the
+    parameters it holds, by its own names; under a pipeline also the pp group (each stage's
+    squares summed too) and the last stage's copies of tied weights (counted on the first)."""
+    if cut is None:
+        return TensorPlan(specs, comm, mesh.tp_group) if mesh.tp > 1 else None
+    name = model.global_name
+    local = {n: specs[name(n)] for n, _ in model.named_parameters() if name(n) in specs}
+    copies = frozenset(n for n, _ in model.named_parameters() if model.is_tied_copy(n))
+    return TensorPlan(local, comm, mesh.tp_group, stages=mesh.pp_group, uncounted=copies)

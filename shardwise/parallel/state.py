@@ -5,8 +5,8 @@ holds them), reloaded only in the same layout and world (shardwise/checkpoint/ s
 rank). ``full_state_dict``: every parameter by its original name, gathered whole.
 ``canonical_optimizer_state`` / ``load_canonical_optimizer_state``: the optimizer state per
 parameter name, whole, the layout-free form that lets a checkpoint load into another layout
-(shardwise/checkpoint/canonical.py). Layouts that shard differently (ZeRO, the parameter server,
-the pipeline) override these.
+(shardwise/checkpoint/canonical.py). Layouts that shard differently (ZeRO, the parameter server)
+override these; the pipeline driver renames its component's and merges them over the stages.
 """
 from __future__ import annotations
 
@@ -79,74 +79,3 @@ class StrategyState:
         if whole.dim() == 0 or self.plan is None:
             return whole
         return self.plan.piece(name, whole)
-
-
-class PipelineState:
-    """The layout-free optimizer state of the pipeline layout (parallel/hybrid.py, pp > 1): a
-    mixin placed before the pipeline's ZeRO-1 and base.Strategy.
-
-    Save: each stage builds its own layers' states under their single-model names, whole over
-    tp and dp (stage 0 of data parallel, the DDP component: its own canonical state, renamed;
-    flat ZeRO-1: each group's flat state all-gathered over dp, cut into parameters, tp pieces
-    gathered), then the stages' dicts are merged (one object all-gather over pp).
-    Load: each stage keeps its layers' entries, this tp rank's piece and (ZeRO-1) this dp rank's
-    slice of each group's flat state: no communication."""
-
-    def canonical_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        if self.dp is not None:
-            own = {self._full_name(n): v for n, v in self.dp.canonical_optimizer_state().items()}
-        else:
-            own = self._zero1_canonical()
-        merged: dict[str, dict[str, torch.Tensor]] = {}
-        for part in self.comm.all_gather_object(own, self.mesh.pp_group):
-            merged.update(part)
-        return merged
-
-    def _zero1_canonical(self) -> dict[str, dict[str, torch.Tensor]]:
-        """This stage's ZeRO-1 state by single-model name, whole (collectives over dp, tp;
-        ``self.tp_plan``: the tensor-parallel split by single-model name, hybrid.py's)."""
-        names = {id(q): self._full_name(n) for n, q in self.model.named_parameters()}
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for f, m in zip(self.flats, self.masters):
-            for key, v in sorted(self.optimizer.state.get(m, {}).items()):
-                if not torch.is_tensor(v):
-                    continue
-                if v.dim() == 0:                 # Adam's step: the same for every member
-                    for q in f.members:
-                        out.setdefault(names[id(q)], {})[key] = v.detach().cpu().clone()
-                    continue
-                full = torch.empty(f.layout.padded, dtype=v.dtype, device=v.device)
-                self.comm.all_gather(full, v.detach().contiguous(), self.mesh.dp_group,
-                                     name="gather_state")
-                for q, view in zip(f.members, f.layout.views(full)):
-                    name = names[id(q)]
-                    view = self.tp_plan.gather({name: view.detach().cpu()}, view.device)[name]
-                    out.setdefault(name, {})[key] = view.clone()
-        return out
-
-    @torch.no_grad()
-    def load_canonical_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        if self.dp is not None:
-            local = {n: state[self._full_name(n)] for n, _ in self.dp.model.named_parameters()
-                     if self._full_name(n) in state}
-            self.dp.load_canonical_optimizer_state(local)
-            return
-        names = {id(q): self._full_name(n) for n, q in self.model.named_parameters()}
-        for f, m in zip(self.flats, self.masters):
-            present = [state.get(names[id(q)], {}) for q in f.members]
-            entry = {}
-            for key in sorted({k for e in present for k in e}):
-                pieces = []
-                for q, e in zip(f.members, present):
-                    v, name = e.get(key), names[id(q)]
-                    if v is None:
-                        v = torch.zeros(q.shape)
-                    elif v.dim() > 0:
-                        v = self.tp_plan.piece(name, v)
-                    pieces.append(v)
-                if pieces[0].dim() == 0:
-                    entry[key] = pieces[0].clone()
-                    continue
-                flat = f.layout.new_flat(pieces, m.dtype, m.device)
-                entry[key] = f.shard(flat, self.mesh.dp_rank).clone()
-            self.optimizer.state[m] = entry

@@ -103,7 +103,9 @@ class Layout:
                             f"needs ZeRO-3 (parameters are whole under zero {self.zero})",
                             "offload parameters with zero 3 only")
         if self.zero >= 2 and (self.tp > 1 or self.pp > 1):
-            raise PlanError("zero", self.zero, "does not combine with tp or pp here",
+            raise PlanError("zero", self.zero, "is not in the planner's search with tp or pp "
+                            "yet (its memory model lacks a stage's whole gradients held over "
+                            "the micro-batches; shardwise train runs these layouts)",
                             "use zero 1 in a 3d layout, or zero 2/3 with tp = pp = 1")
         if self.num_ps and (self.tp > 1 or self.pp > 1 or self.zero):
             raise PlanError("num_ps", self.num_ps, "combines only with plain workers",

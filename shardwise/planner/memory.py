@@ -232,8 +232,8 @@ def peak_instant(device: dict[str, float], parts: dict[str, float], layout: Layo
     steps: ZeRO-2/3 free their shard after the step, a single device's ``p.grad`` go at
     ``zero_grad(set_to_none=True)`` (torch's default). Every other layout keeps its whole
     gradients in a flat buffer that persists: DDP's and ZeRO-1's buckets, the contiguous
-    gradient buffer of tensor and pipeline parallelism (Megatron's, shardwise/parallel/
-    hybrid.py's), a parameter-server worker's."""
+    gradient buffer of tensor and pipeline parallelism (Megatron's; shardwise's DDP buckets
+    under a pipeline), a parameter-server worker's."""
     alone = layout.dp == layout.tp == layout.pp == 1 and not layout.num_ps
     transient = microbatches == 1 and (layout.zero >= 2 or alone)
     grads = device["gradients"] if transient else 0.0

@@ -29,7 +29,6 @@ BAD = [
     (["--strategy", "ddp", "--tp", "2"], "parallel.tp = 2", "drop --strategy"),
     # presets against axis flags and stages (shardwise/layout.py)
     (["--strategy", "zero3", "--zero-stage", "1"], "parallel.zero_stage = 1", "drop --strategy"),
-    (["--pp", "2", "--zero-stage", "2"], "parallel.zero_stage = 2", "--zero-stage 0 or 1"),
     (["--zero-stage", "5"], "parallel.zero_stage = 5", "use 0 (DDP), 1, 2 or 3"),
     (["--strategy", "ps", "--zero-stage", "1"], "parallel.zero_stage = 1", "drop --zero-stage"),
     (["--model", "lenet", "--dataset", "digits", "--tp", "2"], "parallel.tp = 2", "--dp"),
@@ -46,8 +45,8 @@ BAD = [
      "drop --find-unused"),
     (["--zero-stage", "3", "--offload-dir", "/tmp"], "memory.offload_dir = '/tmp'",
      "--offload disk"),
-    (["--strategy", "3d", "--dp", "1", "--pp", "2", "--zero-stage", "1", "--no-overlap"],
-     "parallel.overlap = False", "drop --overlap"),
+    (["--strategy", "3d", "--dp", "1", "--pp", "2", "--zero-stage", "1", "--zero3-units",
+      "Block"], "parallel.zero3_units = 'Block'", "drop --zero3-units"),
     (["--strategy", "zero1", "--grad-compression", "bf16"], "parallel.grad_compression = 'bf16'",
      "drop --grad-compression"),
     (["--strategy", "ddp", "--ps-mode", "async"], "parallel.ps_mode = 'async'", "drop --ps-mode"),

@@ -30,6 +30,8 @@ def test_presets_and_composition_resolve():
         ({"strategy": "tp", "tp": 2, "zero_stage": 3}, True, ("tp", 3)),
         ({"strategy": "3d", "pp": 2, "zero1_over_dp": True}, True, ("3d", 1)),
         ({"strategy": "ps"}, True, ("ps", -1)),
+        ({"pp": 2, "zero_stage": 2}, False, ("3d", 2)),      # a pipeline of ZeRO-2 stages
+        ({"dp": 2, "pp": 2, "zero_stage": 3}, False, ("3d", 3)),
     ]
     for fields, named, (name, stage) in cases:
         p = resolve(_par(**fields), explicit_strategy=named).parallel
@@ -42,7 +44,6 @@ def test_presets_and_composition_resolve():
     ({"strategy": "zero3", "zero_stage": 1}, "parallel.zero_stage"),
     ({"strategy": "zero1", "pp": 2}, "parallel.pp"),
     ({"strategy": "pp", "pp": 2, "tp": 2}, "parallel.tp"),
-    ({"pp": 2, "zero_stage": 2}, "parallel.zero_stage"),
     ({"zero_stage": 4}, "parallel.zero_stage"),
     ({"strategy": "3d", "zero_stage": 2, "zero1_over_dp": True}, "parallel.zero1_over_dp"),
 ])
@@ -58,8 +59,11 @@ def test_what_each_layout_reads():
     assert not zero3_tp["find_unused"] and not zero3_tp["num_microbatches"]
     ddp = reads(resolve(_par()))
     assert ddp["bucket_mb"] and ddp["find_unused"] and not ddp["offload"]
-    pipe = reads(resolve(_par(pp=2, zero_stage=1)))
-    assert pipe["schedule"] and pipe["allreduce"] and not pipe["overlap"]
+    pipe = reads(resolve(_par(pp=2, zero_stage=1)))   # the same component as without pp
+    assert pipe["schedule"] and pipe["allreduce"] and pipe["overlap"] and pipe["bucket_mb"]
+    assert pipe["offload"] and not pipe["find_unused"]
+    pipe3 = reads(resolve(_par(pp=2, zero_stage=3)))
+    assert pipe3["zero3_units"] and not pipe3["bucket_mb"]
     pipe0 = reads(resolve(_par(pp=2)))
     assert pipe0["overlap"] and pipe0["bucket_mb"] and pipe0["grad_compression"]
     assert not pipe0["find_unused"]
@@ -93,7 +97,7 @@ def _one_step_meter(cfg):
     x, y = build_data(cfg).batch(0, cfg.train.batch_size, *engine.strategy.data_shard())
     rt.comm.meter.reset()
     engine.train_step(x, y)
-    return rt.comm.meter.snapshot(), len(engine.strategy.dp.buckets.buckets)
+    return rt.comm.meter.snapshot(), len(engine.strategy.grads.buckets.buckets)
 
 
 def _pipeline_dp(rank, n, configs):

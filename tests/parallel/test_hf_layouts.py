@@ -315,6 +315,22 @@ def test_3d_hf_gpt2_and_llama_tp2_pp2_and_dp2_pp2_world4(references):
             assert abs(r["val"] - ref["val"]) <= ATOL + RTOL * ref["val"], tag
 
 
+def test_dp2_pp2_zero2_zero3_hf_gpt2_tied_and_llama_world4(references):
+    """ZeRO-2 and ZeRO-3 stages under a pipeline on models we did not write: GPT-2's wte and
+    its tied lm_head copy sit in different stages' shards, so their whole gradients are summed
+    over pp before the reduce-scatter (driver.py); Llama with its own loss from labels."""
+    runs = [("gpt2-dp-pp-zero3", "gpt2", _pp_cfg(dp=2, pp=2, zero_stage=3)),
+            ("gpt2-dp-pp-zero2", "gpt2", _pp_cfg("gpipe", dp=2, pp=2, zero_stage=2)),
+            ("llama-dp-pp-zero3-own", "llama", _pp_cfg(dp=2, pp=2, zero_stage=3))]
+    results = run_world(_pipeline_world, 4, runs, timeout=240)
+    for tag, family, cfg in runs:
+        ref = _reference(references, tag, family)
+        r = dict(results[0][tag], norms=ref["norms"])
+        _check(r, ref, tag)
+        if r["val"] is not None:
+            assert abs(r["val"] - ref["val"]) <= ATOL + RTOL * ref["val"], tag
+
+
 def test_pipeline_stages_of_hf_models_chain_to_the_models_forward():
     from shardwise.parallel.pipeline.stage import PipelineStage, stage_bounds
     x = token_batches(1, 2)[0][0]

@@ -69,16 +69,54 @@ def test_tp2_pp2_both_schedules_and_tp_traffic_per_microbatch():
 
 
 def test_dp2_with_zero1_over_dp_equals_single():
-    """The pipeline's flat ZeRO-1 reduce-scatters in place (its dp shard of the flat gradient
-    receives the average), over the backend and over the ring, whose workspace is that flat."""
+    """The pipeline's ZeRO-1 is the data-parallel component's own (parallel/data/zero.py) on
+    each stage: its bucket reduce-scatters once per step (in the last micro-batch's backward),
+    over the backend and over the ring, whose workspace is the bucket."""
     configs = [_cfg(dp=2, pp=2, schedule="1f1b", zero1_over_dp=True),
                _cfg(dp=2, tp=2, zero1_over_dp=True),
                _cfg(dp=2, pp=2, schedule="1f1b", zero1_over_dp=True, allreduce="ring")]
     results = run_world(_runs, 4, configs)
     _assert_equal_to_single(results, configs)
-    meter = results[0][1]
-    assert meter["zero1_grad"]["calls"] == 1 and meter["zero1_params"]["calls"] == 1
+    meter = results[0][1]     # one step of 2 micro-batches, one bucket per stage
+    assert meter["zero_grad_rs"]["calls"] == 1 and meter["zero_param_ag"]["calls"] == 1
     assert "dp_grad" not in meter
+
+
+def _stage_runs(rank, n, configs):
+    """Each config trained (losses, full parameters); then one step of it: the reduce-scatter
+    calls and the chunks (buckets, or ZeRO-3's units) of this rank's stage."""
+    from shardwise.runtime import init_runtime
+    from shardwise.train import train
+    out, steps = [run(cfg) for cfg in configs], []
+    for cfg in configs:
+        one = replace(cfg, train=replace(cfg.train, steps=1))
+        rt = init_runtime(one)
+        grads = train(one, rt, quiet=True)["engine"].strategy.grads
+        steps.append((rt.comm.meter.snapshot()["zero_grad_rs"]["calls"], len(grads.chunks)))
+    return out, steps
+
+
+def test_dp2_pp2_at_zero_stages_1_2_3_with_the_ring_equals_single():
+    """dp 2 x pp 2 at ZeRO stages 1, 2 and 3 over shardwise's ring (and over the backend,
+    interleaved and with 4 micro-batches): the same data-parallel component as without a
+    pipeline, its gradients accumulated whole over the step's micro-batches and reduce-scattered
+    once per chunk and step, equal to one process (fp32, rtol 1e-5)."""
+    layers4 = replace(_cfg().model, n_layer=4)
+    configs = [_cfg(dp=2, pp=2, schedule="1f1b", zero_stage=1, allreduce="ring"),
+               _cfg(dp=2, pp=2, schedule="1f1b", zero_stage=2, allreduce="ring"),
+               _cfg(dp=2, pp=2, schedule="gpipe", zero_stage=3, allreduce="ring"),
+               replace(_cfg(dp=2, pp=2, schedule="interleaved-1f1b", zero_stage=3,
+                            num_microbatches=4, virtual_stages=2), model=layers4),
+               _cfg(dp=2, pp=2, schedule="1f1b", zero_stage=2, num_microbatches=4)]
+    results = run_world(_stage_runs, 4, configs, timeout=600)
+    for out, _ in results:
+        for cfg, (losses, params) in zip(configs, out):
+            expected = single_run(cfg)
+            assert_close_runs(losses, expected[0], params, expected[1], RTOL, ATOL,
+                              why=f"{WHY}; {cfg.parallel}")
+    for _, steps in results:
+        for calls, chunks in steps[3:]:      # over the backend: one call per reduce-scatter
+            assert calls == chunks, (calls, chunks)   # not one per micro-batch (4)
 
 
 @pytest.mark.slow

@@ -1,14 +1,17 @@
 """The data-parallel component's own settings, checked before launch (``reads``, ``check``);
 pure, so the launcher runs it before any process starts. Which stage reads what:
 
-    bucket_mb          stage 0; stages 1-2 without a pipeline (stage 3 groups by units)
-    overlap            stage 0; any stage without a pipeline
+    bucket_mb          stages 0-2 (stage 3 groups by units)
+    overlap            every stage
     allreduce          every stage (native or ring reducer); shm only stage 0 (its allreduce)
-    find_unused        stage 0 without a pipeline
+    find_unused        stage 0 without a pipeline (a pipeline needs every stage parameter)
     grad_compression   stage 0
-    zero3_units        stage 3 without a pipeline
-    offload            stages 1-3 without a pipeline; offload_dir with offload = disk
-    zero1_over_dp      the pipeline's ZeRO-1 (its old name for --zero-stage 1)
+    zero3_units        stage 3
+    offload            stages 1-3; offload_dir with offload = disk
+    zero1_over_dp      a pipeline's old name for --zero-stage 1
+
+The component is the same with or without a pipeline (parallel/compose.py), so it reads the
+same settings; only ``find_unused`` differs.
 """
 from __future__ import annotations
 
@@ -19,15 +22,14 @@ from shardwise.presets import DATA_MODEL as COMPOSED
 def reads(cfg: Config, stage: int) -> dict[str, bool]:
     p = cfg.parallel
     composed = p.strategy in COMPOSED
-    flat = composed and p.pp == 1            # the component itself, not under a pipeline
     return {
         "zero_stage": composed,
         "allreduce": composed and (p.allreduce != "shm" or stage == 0),   # shm: all-reduce only
-        "bucket_mb": composed and stage <= 2 and (p.pp == 1 or stage == 0),
-        "overlap": composed and (p.pp == 1 or stage == 0),
-        "find_unused": flat and stage == 0, "grad_compression": composed and stage == 0,
-        "zero3_units": flat and stage == 3, "offload": flat and stage >= 1,
-        "offload_dir": flat and stage >= 1 and cfg.memory.offload == "disk",
+        "bucket_mb": composed and stage <= 2, "overlap": composed,
+        "find_unused": composed and p.pp == 1 and stage == 0,
+        "grad_compression": composed and stage == 0,
+        "zero3_units": composed and stage == 3, "offload": composed and stage >= 1,
+        "offload_dir": composed and stage >= 1 and cfg.memory.offload == "disk",
         "zero1_over_dp": composed and p.pp > 1,
     }
 

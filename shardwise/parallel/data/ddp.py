@@ -95,7 +95,7 @@ class DDPStrategy(Strategy):
 
     def begin_pass(self) -> None:
         """Before a forward: re-attach dropped ``.grad`` views, count a new backward, take dp
-        member 0's buffers. (A pipeline calls it once per step; parallel/hybrid.py.)"""
+        member 0's buffers. (A pipeline calls it once per pass; parallel/pipeline/driver.py.)"""
         self.buckets.reattach()              # a .grad set to None since the last step
         self.restart_count()
         self.model_buffers.run(self.comm, 0, self.group, name="ddp_buffers")
@@ -107,6 +107,13 @@ class DDPStrategy(Strategy):
         self._next = 0                       # launches go in bucket order on every rank
         for bucket in self.buckets.buckets:  # readiness is per backward (no_sync steps too)
             bucket.extra["ready"] = False
+
+    def before_backward(self, last: bool) -> None:
+        """A pipeline's backward: only the step's last one launches the buckets (counted afresh
+        for it); the earlier ones accumulate into them."""
+        if last:
+            self.restart_count()
+        self._sync = last
 
     def _on_ready(self, bucket: Bucket) -> None:
         """Launch ready buckets in index order: every rank must issue its collectives in the

@@ -135,6 +135,7 @@ class Zero1Strategy(_BucketedZero):
             super()._chunk_ready(index)
 
     def _launch(self, c: Chunk) -> None:
+        c.grad_valid = True                    # launched this step (_reduce_held skips it)
         if self._ring is not None:             # the ring reduces in place: own slice is the answer
             work = self._reduce_scatter(c.grad_shard, c.grad_full, async_op=True)
             self._reducing.append((c, work, None, None, "into", 0))
@@ -172,7 +173,11 @@ class Zero2Strategy(_BucketedZero):
 
     def _chunk_ready(self, index: int) -> None:
         """Launch now even with overlap off (the collective then blocks): a ready bucket's
-        staging buffer is freed at once instead of waiting for the end of backward."""
+        staging buffer is freed at once instead of waiting for the end of backward. Under a
+        pipeline (``accumulate_unsharded``) only the step's last backward launches; the
+        earlier micro-batches accumulate into the whole staging buffer."""
+        if self.accumulate_unsharded and not self._syncing:
+            return
         self.chunks[index].extra["ready"] = True
         self._launch_ready()
 

@@ -99,6 +99,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         self._reducing: list[tuple] = []               # (chunk, work, temp, staging, mode, backend)
         self.collectives = Reducer(comm, self.group, cfg.parallel.allreduce, device)
         self._ring = self.collectives.ring
+        self._next = 0                                 # stages 1-2: next bucket to launch
 
     # -- building chunks ------------------------------------------------------------------
     def _adopt(self, model: nn.Module, optimizer_factory) -> list[nn.Parameter]:
@@ -206,8 +207,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         if not torch.is_grad_enabled():
             out = self.model(*args, **kwargs)
         else:
-            for c in self.chunks:        # a new backward: count every chunk's gradients afresh
-                c.pending, c.extra["readied"], c.extra["got"] = c.trainable, False, set()
+            self.begin_pass()            # a new backward: count every chunk's gradients afresh
             with self._measure_activations():
                 out = self.model(*args, **kwargs)
         return tree_map(lambda t: _cast(t, torch.float32), out) if low else out
@@ -215,6 +215,23 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scaled(loss).backward()        # fp16: times S (memory/loss_scale.py)
         self._after_backward()
+
+    # -- the gradient-sync contract for a driver of its own (parallel/pipeline/driver.py) ----
+    def begin_pass(self) -> None:
+        """Count every chunk's gradients afresh; no bucket is ready or launched yet."""
+        for c in self.chunks:
+            c.pending, c.extra["readied"], c.extra["got"] = c.trainable, False, set()
+            c.extra["ready"] = False
+        self._next = 0
+
+    def before_backward(self, last: bool) -> None:
+        """Only the step's last backward reduces as its chunks fill; with
+        ``accumulate_unsharded`` the earlier ones keep whole gradients (stage 1: its buckets;
+        stages 2-3: their staging buffers) and ``_finish_grad_sync`` reduces what is left."""
+        self._syncing = last
+
+    def grad_dtype(self) -> torch.dtype:
+        return self.dtype
 
     @property
     def scale(self) -> float:

@@ -104,7 +104,19 @@ class ZeroGradients:
     # -- clipping hooks (base.Strategy.clip_grad_norm_) -----------------------------------
     def _finish_grad_sync(self) -> None:
         self._check_all_ready()
+        self._reduce_held()
         self._finish_reductions()             # idempotent: nothing left to wait for the 2nd time
+
+    def _reduce_held(self) -> None:
+        """Reduce what backward left whole, in chunk order on every rank: stages 2-3, a staging
+        buffer kept under ``accumulate_unsharded`` (a pipeline's micro-batches); stage 1, a
+        bucket no syncing backward launched (overlap off, or a driver that reduces after its
+        backwards: interleaved chunks, tied weights)."""
+        for c in self.chunks:
+            if "staging" in c.extra:
+                self._reduce_staged(c)
+            elif self.stage == 1 and not c.grad_valid:
+                self._launch(c)
 
     def _local_grad_sq(self) -> torch.Tensor:
         """Squares of this rank's gradient shards (disjoint over the dp group; padding is 0)."""

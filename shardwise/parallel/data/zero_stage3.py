@@ -147,11 +147,13 @@ class Zero3Strategy(ZeroBase):
     per step: 3(N-1)/N K, 1.5x DDP. Reference: ZeRO (SC 2020), "P_os+g+p".
     """
     name, stage = "zero3", 3
+    unit_classes = None   # a pipeline stage's: the whole model's block class (compose.py)
 
     def wrap(self, model, optimizer_factory) -> None:
         self._adopt(model, optimizer_factory)
         names = getattr(self.cfg.parallel, "zero3_units", "")
-        classes = [c.strip() for c in names.split(",") if c.strip()] or block_class_names(model)
+        classes = ([c.strip() for c in names.split(",") if c.strip()] or self.unit_classes
+                   or block_class_names(model))
         self.units = split_units(self.model, classes, trainable_only=True)
         self._rs_async = reduce_scatter_async(self.overlap, self.device)
         for index, (module, params) in enumerate(self.units):
@@ -233,8 +235,10 @@ class Zero3Strategy(ZeroBase):
         launched asynchronously (``reduce_scatter_async``) and waited later (zero_grads.py)."""
         c = self.chunks[index]
         self._free(c)
-        self._reduce_staged(c, async_op=self._rs_async)
         c.extra["backward"] = False
+        if self.accumulate_unsharded and not self._syncing:
+            return                  # a pipeline's earlier micro-batch: the buffer accumulates
+        self._reduce_staged(c, async_op=self._rs_async)
 
     def _after_backward(self) -> None:
         if not self._syncing:

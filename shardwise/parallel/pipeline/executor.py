@@ -239,14 +239,17 @@ def evaluate_stages(ex: PipelineExecutor, x, width: int):
     """A whole batch (token ids, or a tuple / dict of inputs) forward through the pipeline, no
     schedule: each of this rank's chunks in virtual-stage order, receiving the (B, T, width)
     residual stream from the previous rank and sending to the next (meter ``pp_eval``).
-    Returns the last chunk's output: the logits (or ModelOutput) on the last rank."""
+    Returns the last chunk's output: the logits (or ModelOutput) on the last rank. Runs under
+    the executor's mixed-precision context, as training does (a ZeRO stage's bf16 working
+    weights need it); what crosses stages is fp32."""
     p, out = ex.num_stages, None
     ids, inputs = ex.split(x)
     for c, chunk in enumerate(ex.chunks):
         h = ids if ex._first(c) else p2p.recv(ex.comm, ex.group, (*ids.shape, width),
                                               (ex.index - 1) % p, device=ex.device,
                                               name="pp_eval", transport=ex.transport)
-        out = chunk(h, inputs)
+        with ex.autocast():
+            out = _fp32(chunk(h, inputs))
         if not ex._last(c):
             p2p.send(ex.comm, ex.group, out, (ex.index + 1) % p, name="pp_eval",
                      transport=ex.transport)

@@ -102,7 +102,7 @@ def tied_across_stages(model: nn.Module, plan) -> dict[str, str]:
     """Weights the first and the last stage both use (GPT-2's lm_head.weight is
     transformer.wte.weight): {the last stage's name: the first stage's name}. Each of the two
     stages keeps its own copy; the pipeline all-reduces their gradients between the two stages
-    (parallel/hybrid.py), so the copies stay equal, and both answer to the first one's name."""
+    (parallel/pipeline/driver.py), so the copies stay equal, and both answer to the first one's name."""
     firsts = {id(q): f"{n}.{k}" for n in plan.first
               for k, q in model.get_submodule(n).named_parameters(remove_duplicate=False)}
     return {f"{n}.{k}": firsts[id(q)] for n in plan.last

@@ -1,0 +1,257 @@
+"""The pipeline driver: how one training step runs when the model is cut into stages (pp > 1).
+
+Two contracts make a layout (parallel/base.py): a *driver* runs forward and backward for a step,
+a *gradient-sync component* (parallel/data/: DDP or ZeRO 1-3) owns this rank's gradients and
+optimizer over the dp axis. Without a pipeline the driver is the component's own loop
+(``Strategy.train_step``). With one, it is :class:`PipelineDriver`: it owns the micro-batches
+(``num_microbatches``, read once here), the schedule's actions for this rank, the executor
+(executor.py), the tied-weight sum and the timeline (timeline.py); every gradient it produces
+lands in the component, which the composer (parallel/compose.py) built on this rank's stage
+exactly as it builds it on a whole model. So ZeRO-1, -2 and -3 exist once, with or without pp.
+
+Per step: for each of ``grad_accum`` passes, the component counts a new pass (``begin_pass``)
+and the executor runs the schedule over m micro-batches; before each action that computes
+weight gradients the driver tells the component whether it is the step's last backward
+(``before_backward(last)``): only then does the component reduce (DDP's bucket all-reduce,
+ZeRO's reduce-scatter), during that backward; the earlier ones accumulate locally, unsharded
+(ZeRO-2 / ZeRO-3 keep whole gradient buffers of the stage through the step: their memory
+cost under a pipeline; DDP and ZeRO-1 hold whole gradients anyway). An interleaved rank (v > 1
+chunks) has no single last backward, nor does a stage with a weight tied to another stage:
+there the component reduces after the schedule (``_finish_grad_sync``), once.
+
+Tied weights (GPT-2's wte / lm_head on the first and the last stage, one copy on each): the
+copies' whole gradients are summed over pp (``pp_tied_grad``, one all-reduce per tied weight; the
+stages without a copy add zeros) before the dp reduction, so both copies take the same step from
+the same start (global rank 0's weights) and stay equal.
+
+Partition: rank (pp_rank, dp_rank, tp_rank) holds stage pp_rank's layers (tp-split 1/T), sharded
+over dp as the component's stage says, trains on rows dp_rank/D of each global batch, in m
+micro-batches. Collectives: the executor's sends and receives over pp (one activation forward,
+one gradient back, per micro-batch and stage boundary); the component's over dp, once per step;
+the loss broadcast from the last stage (``metrics``). Memory: the component's, for this stage's
+parameters, plus the activations of the micro-batches in flight (GPipe m, 1F1B <= p) and the
+shared-memory rings between stages of one host.
+
+Loss normalisation: each micro-batch's mean loss is scaled by 1/(m * grad_accum) on the last
+stage, gradients are averaged over dp, so the update equals single training on the global
+batch's mean loss; ``train_step`` returns that mean on every rank. Only whole steps run: no rank
+holds the whole model for ``engine(x)``.
+
+Reference: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC'21); torchtitan runs FSDP under pipelines the same way (gradients reduced at the
+stage's last backward).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from shardwise.comm.shm_p2p import neighbours, transport_for
+from shardwise.data import batch as batches
+from shardwise.models.plans import plan_of
+from shardwise.parallel.base import Strategy
+from shardwise.parallel.pipeline import schedule as sched
+from shardwise.parallel.pipeline import timeline
+from shardwise.parallel.pipeline.checks import virtual_stages
+from shardwise.parallel.pipeline.executor import PipelineExecutor, evaluate_stages
+from shardwise.parallel.pipeline.stage import stage_bounds, stage_of, tied_across_stages
+
+
+@dataclass
+class PipelineCut:
+    """Step 3 of the composer: this rank's part of the model, and what the driver needs of the
+    whole one (the residual stream's width, the weights tied across stages)."""
+    stage: nn.Module              # stage.PipelineStage, or VirtualStages (v chunks)
+    width: int                    # n_embd: a micro-batch's activation is (b, T, width)
+    v: int                        # model chunks per rank (interleaved-1f1b)
+    tied: list                    # [(parameter, held by this rank)] tied between first and last
+
+
+def _width(model: nn.Module) -> int:
+    plan = plan_of(model)
+    sizes = plan.sizes(model) if plan is not None and plan.sizes is not None else {}
+    if "n_embd" not in sizes:
+        raise ValueError(f"pipeline parallelism sends the residual stream (B, T, n_embd) between "
+                         f"stages; the plan of {type(model).__name__} gives no n_embd; fix: add "
+                         "n_embd to its ModelPlan's sizes")
+    return sizes["n_embd"]
+
+
+def cut(model: nn.Module, cfg, mesh) -> PipelineCut:
+    """Keep this rank's stage (its v chunks when interleaved) of the whole model, cut by
+    parameter count or ``parallel.stage_layers`` (stage.py)."""
+    v = virtual_stages(cfg)
+    bounds = stage_bounds(model, mesh.pp * v, cfg.parallel.stage_layers)
+    width = _width(model)
+    ties = tied_across_stages(model, plan_of(model))
+    tied = [q for q in (model.get_parameter(f) for f in dict.fromkeys(ties.values()))
+            if q.requires_grad]
+    stage = stage_of(model, bounds, mesh.pp_rank, mesh.pp)
+    mine = {id(q) for q in stage.parameters()}
+    return PipelineCut(stage, width, v, [(q, id(q) in mine) for q in tied])
+
+
+class PipelineDriver(Strategy):
+    """Runs a step's schedule on this rank's stage; the gradient-sync component ``grads``
+    (already wrapped on ``cut.stage``) reduces, clips, steps and holds the state."""
+    name = "3d"
+
+    def __init__(self, cfg, mesh, comm, device, loss_fn, cut: PipelineCut, grads: Strategy):
+        super().__init__(cfg, mesh, comm, device, loss_fn)
+        p = cfg.parallel
+        self.grads, self.cut, self.v = grads, cut, cut.v
+        self.model, self.optimizer, self.plan = grads.model, grads.optimizer, grads.plan
+        self.scaler = grads.scaler                 # one fp16 loss scale: the component's
+        self.microbatches = p.num_microbatches
+        self.actions = sched.build(p.schedule, mesh.pp, self.microbatches, self.v)[mesh.pp_rank]
+        transport = transport_for(comm, mesh.pp_group, device, p.pp_transport,
+                                  pairs=neighbours(mesh.pp))
+        self.executor = PipelineExecutor(self.model, comm, mesh.pp_group, loss_fn, device,
+                                         autocast=self.autocast, transport=transport)
+        # one backward reduces only when it is the stage's only last one and no tied sum waits
+        self.reduce_in_backward = self.v == 1 and not cut.tied
+        self.steps_done, self.last_records, self.report = 0, None, None
+        self._png = self._png_path()
+
+    def _png_path(self) -> str | None:
+        lg = self.cfg.logging
+        if lg.schedule_png == "off":
+            return None
+        if lg.schedule_png:
+            return lg.schedule_png
+        # the loop's run directory (train.run_dir): same formula, computed at the same moment
+        name = lg.run_name or f"{self.cfg.parallel.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return os.path.join(lg.out_dir, name, "schedule.png")
+
+    # -- only whole train steps (no rank holds the whole model) ---------------------------
+    def _no_pipeline(self, what: str) -> None:
+        raise RuntimeError(f"{what} cannot run under pipeline parallelism (pp = {self.mesh.pp}):"
+                           " no rank holds the whole model; use engine.train_step(x, y)")
+
+    def forward(self, *args, **kwargs):
+        self._no_pipeline("engine(x) / forward")
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._no_pipeline("engine.backward(loss)")
+
+    def train_step(self, x, y) -> float:
+        """``x``: token ids, or a tuple / dict of the model's inputs (stage.split_batch); ``y``:
+        the targets, or None with the model's own loss (labels in ``x``)."""
+        m, passes = self.microbatches, self.grad_accum
+        total = torch.zeros((), device=self.device)
+        for k, (xa, ya) in enumerate(zip(batches.chunk(x, passes), batches.chunk(y, passes))):
+            self.grads.begin_pass()
+            hook = functools.partial(self._before_backward, k == passes - 1)
+            loss, self.last_records = self.executor.run(
+                self.actions, batches.chunk(xa, m), batches.chunk(ya, m), self.cut.width,
+                self.scaler.scale / (m * passes), on_backward=hook)
+            total += loss / self.scaler.scale
+        self._sum_tied_grads()
+        self._clip_if_configured()
+        self.grads.step()
+        self.steps_done += 1
+        if self.steps_done == self.cfg.train.steps and self._png:
+            self.pipeline_report(self._png, announce=True)
+        return self.reduce_mean(self._from_last_stage(total))
+
+    def _before_backward(self, last_pass: bool, mb: int, last_mb: bool) -> None:
+        """Before each weight-gradient action: the step's last one reduces as it goes."""
+        self.grads.before_backward(self.reduce_in_backward and last_pass and last_mb)
+
+    def step(self) -> None:
+        self.grads.step()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The component's clipping: its squares summed over dp, then tp and pp (its plan)."""
+        return self.grads.clip_grad_norm_(max_norm)
+
+    @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        """Each tied weight's copies get the sum of both stages' whole gradients (module
+        docstring); before any dp reduction, which sums as well (the order commutes).
+        Traffic: 2(p-1)/p * the weight's bytes per step."""
+        for q, held in self.cut.tied:
+            g = q.grad if held else torch.zeros(q.shape, dtype=self.grads.grad_dtype(),
+                                                device=self.device)
+            self.comm.all_reduce(g, self.mesh.pp_group, name="pp_tied_grad")
+
+    def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        t = value.detach().float().reshape(1).clone()
+        self.comm.broadcast(t, self.mesh.pp - 1, self.mesh.pp_group, name="metrics")
+        return t[0]
+
+    @torch.no_grad()
+    def evaluate(self, x, y):
+        self.model.eval()
+        out = evaluate_stages(self.executor, x, self.cut.width)
+        self.model.train()
+        if self.mesh.is_last_stage:
+            loss = self.loss_fn(out, batches.to(y, self.device))
+        else:
+            loss = torch.zeros((), device=self.device)
+        return self.reduce_mean(self._from_last_stage(loss)), None
+
+    # -- the measured pipeline ------------------------------------------------------------
+    def pipeline_report(self, png: str | None = None, announce: bool = False) -> dict:
+        """Every stage's records of the last step (a collective over pp): bubble, peak
+        in-flight micro-batches; draws the PNG and prints on global rank 0 when asked."""
+        records = self.comm.all_gather_object(self.last_records, self.mesh.pp_group)
+        p = self.cfg.parallel
+        self.report = timeline.summary(records, p.schedule, self.microbatches, self.v)
+        if self.mesh.rank == 0 and png:
+            timeline.draw(records, png, timeline.describe(self.report))
+            self.report["png"] = png
+        if self.mesh.rank == 0 and announce:
+            print(timeline.describe(self.report) + (f"; picture: {png}" if png else ""), flush=True)
+        self.report["records"] = records
+        return self.report
+
+    # -- state: the component's, under single-model names, merged over the stages ---------
+    def _merged(self, own: dict) -> dict:
+        merged: dict = {}
+        for part in self.comm.all_gather_object(own, self.mesh.pp_group):
+            merged.update(part)
+        return merged
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its single-model name: the component gathers dp and tp, the
+        stages merge (one object all-gather over pp)."""
+        name = self.model.global_name
+        return self._merged({name(n): t for n, t in self.grads.full_state_dict().items()})
+
+    def state_dict(self) -> dict:
+        return self.grads.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.grads.load_state_dict(state)
+
+    def canonical_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        name = self.model.global_name
+        return self._merged({name(n): v for n, v in
+                             self.grads.canonical_optimizer_state().items()})
+
+    def load_canonical_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        name = self.model.global_name
+        self.grads.load_canonical_optimizer_state(
+            {n: state[name(n)] for n, _ in self.model.named_parameters() if name(n) in state})
+
+    def close(self) -> None:
+        self.grads.close()
+
+    def memory_ledger(self) -> dict[str, int]:
+        return self._with_transport(self.grads.memory_ledger())
+
+    def memory_at_peak(self) -> dict[str, int]:
+        return self._with_transport(self.grads.memory_at_peak())
+
+    def _with_transport(self, ledger: dict) -> dict[str, int]:
+        ledger = dict(ledger)
+        ledger.pop("activations_peak", None)  # the executor runs the stage itself: not measured
+        transport = self.executor.transport   # the shared-memory rings this stage touches
+        ledger["comm_buffers"] += transport.local_bytes if transport is not None else 0
+        return ledger
