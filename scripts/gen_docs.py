@@ -17,6 +17,18 @@ and KIND is one of:
     gpu-table FILE...       shardwise/bench/gpu.py's gpu.json files (report.gpu_table)
     gpu-summary FILE...     a line per case with a peer: ratio, MFU, the ledger's gap
     generate-speed FILE     shardwise/bench/generate_speed.py's JSON: with and without the cache
+    bench-rows FILE...      the benchmark table of the given row JSON files (a page's own rows),
+                            then a provenance line
+    json-table FILE         the table a benchmark stored in its JSON (``table``: the 57M memory
+                            benchmarks), then a provenance line
+    ps-rows FILE...         the parameter-server straggler rows: tokens/s, runs, last loss,
+                            staleness, and the allreduce peer of the sync row
+    bubble FILE             the mp-bubble row: measured idle fraction against each formula
+    planner-steps FILE      planner_validation.json: predicted vs measured states and step time
+    planner-categories FILE the same file, per memory category
+
+Every measured block ends with where its JSON ran (date, commit, uncommitted changes, machine);
+a field the JSON does not carry is written "not recorded".
     cli-reference           every command's options, from the same parsers ``--help`` prints
 
 So a measured figure in the docs is never typed: change a number in a block and ``--check``
@@ -102,6 +114,109 @@ def generate_speed(path: str) -> str:
     return "\n".join(rows)
 
 
+def _load(path: str) -> dict:
+    return json.load(open(os.path.join(ROOT, path)))
+
+
+def provenance(*paths: str) -> str:
+    """Where the files ran: one clause per distinct (date, commit, dirty flag), then the
+    machine; what a file does not record is said so."""
+    groups: dict = {}
+    machines = []
+    for path in paths:
+        d = _load(path)
+        m = d.get("machine") or {}
+        machines.append(m)
+        date = str(m.get("date") or d.get("when") or "")[:16] or "date not recorded"
+        commit = m.get("commit") or "not recorded"
+        dirty = m.get("dirty")
+        dirty = "not recorded" if dirty is None else ("yes" if dirty else "no")
+        key = (date, commit, dirty)
+        groups.setdefault(key, []).append(os.path.basename(path))
+    clauses = [f"{', '.join(f'`{n}`' for n in names)}: {date}, commit {commit}, uncommitted "
+               f"changes {dirty}" for (date, commit, dirty), names in groups.items()]
+    m = next((m for m in machines if m), {})
+    where = (f"{m.get('cpus', '?')} CPUs, {m.get('processor', '?')}, torch {m.get('torch', '?')}, "
+             f"GPU: {m.get('cuda') or 'none'}" if m else "machine not recorded")
+    folder = os.path.dirname(paths[0])
+    return f"Generated from `{folder}/` ({where}). " + "; ".join(clauses) + ".\n"
+
+
+def bench_rows(*paths: str) -> str:
+    """The benchmark table (shardwise.bench.report.table) of these row files, and where they ran."""
+    from shardwise.bench.report import table
+    return table([_load(p) for p in paths]) + "\n" + provenance(*paths)
+
+
+def json_table(path: str) -> str:
+    """The markdown table a benchmark stored in its own JSON, and where it ran."""
+    return _load(path)["table"].rstrip("\n") + "\n\n" + provenance(path)
+
+
+def ps_rows(*paths: str) -> str:
+    """Parameter-server straggler rows: ours per mode, and the sync row's allreduce peer."""
+    rows = ["| run | tokens/s | runs | loss at the last step | max / mean staleness |",
+            "|---|---|---|---|---|"]
+    peer = None
+    for path in paths:
+        d = _load(path)
+        x = d["ours"]["extra"]
+        mode = d["args"].get("ps_mode", "?") + (f", s = {d['args']['staleness']}"
+                                                if "staleness" in d["args"] else "")
+        rows.append(f"| ps {mode} | {d['ours']['items_per_s']:,.0f} | "
+                    f"{' / '.join(f'{v:,.0f}' for v in d['runs']['ours'])} | "
+                    f"{x['losses'][-1]:.2f} (step {len(x['losses'])}) | "
+                    f"{x.get('staleness_max', 0)} / {x.get('staleness_mean', 0):.2f} |")
+        if d.get("peer_result"):
+            peer = (d["peer"], d["peer_result"]["items_per_s"], d["runs"]["peer"])
+    if peer:
+        rows.append(f"| {peer[0]} | {peer[1]:,.0f} | {' / '.join(f'{v:,.0f}' for v in peer[2])} "
+                    "| - | - |")
+    return "\n".join(rows) + "\n\n" + provenance(*paths)
+
+
+def bubble(path: str) -> str:
+    """The mp-bubble row: each (p, m, schedule)'s measured idle fraction against its formula."""
+    rows = ["| p | m | schedule | measured | formula | peak in flight |", "|---|---|---|---|---|---|"]
+    for b in _load(path)["ours"]["extra"]["bubble"]:
+        name = b["schedule"] + (f" V={b['v']}" if b.get("v", 1) > 1 else "")
+        rows.append(f"| {b['p']} | {b['m']} | {name} | {b['bubble_measured']:.3f} | "
+                    f"{b['bubble_formula']:.3f} | {b['peak_in_flight']} |")
+    return "\n".join(rows) + "\n\n" + provenance(path)
+
+
+def planner_steps(path: str) -> str:
+    """planner_validation.json: predicted / measured model states, buffers and step time."""
+    from shardwise.bench import validate_planner as vp
+    out = ["| strategy | world | layout | model states pred / meas (MB) | gap | comm buffers "
+           "pred / meas (MB) | step pred / meas (s), median (range) | gap | goals (10% / 25%) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in _load(path)["rows"]:
+        pm, mm = r["predicted_memory"], r["measured_memory"]
+        mem_ok = all(g is None or abs(g) <= vp.MEM_GOAL for k, g in r["memory_gap"].items()
+                     if k in vp.STATES)
+        ok = ("yes" if mem_ok else "no") + " / " + (
+            "yes" if abs(r["step_gap"]) <= vp.TIME_GOAL else "no")
+        out.append(f"| {r['strategy']} | {r['world']} | {r['layout']} | "
+                   f"{vp._mb(r['states_predicted'])} / {vp._mb(r['states_measured'])} | "
+                   f"{vp._pct(r['states_gap'])} | {vp._mb(pm['comm_buffers'])} / "
+                   f"{vp._mb(mm['comm_buffers'])} | {r['step_predicted_s']:.3f} "
+                   f"{vp._spread(r.get('step_predictions_s'))} / {r['step_measured_s']:.3f} "
+                   f"{vp._spread(r.get('step_measurements_s'))} | {vp._pct(r['step_gap'])} | {ok} |")
+    return "\n".join(out) + "\n\n" + provenance(path)
+
+
+def planner_categories(path: str) -> str:
+    """planner_validation.json per memory category: predicted / measured MB."""
+    from shardwise.bench import validate_planner as vp
+    out = ["| strategy | " + " | ".join(vp.STATES) + " |", "|---" * (len(vp.STATES) + 1) + "|"]
+    for r in _load(path)["rows"]:
+        cells = [f"{vp._mb(r['predicted_memory'][k])} / {vp._mb(r['measured_memory'][k])}"
+                 for k in vp.STATES]
+        out.append(f"| {r['strategy']} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n\n" + provenance(path)
+
+
 def cli_reference() -> str:
     """Each command's usage and options, as ``--help`` prints them (one source)."""
     from shardwise import cli, generate
@@ -122,7 +237,9 @@ def cli_reference() -> str:
 
 KINDS = {"bench-table": bench_table, "bench-provenance": bench_provenance,
          "gpu-table": gpu_tables, "gpu-summary": gpu_summary, "generate-speed": generate_speed,
-         "cli-reference": cli_reference}
+         "cli-reference": cli_reference, "bench-rows": bench_rows, "json-table": json_table,
+         "ps-rows": ps_rows, "bubble": bubble, "planner-steps": planner_steps,
+         "planner-categories": planner_categories}
 
 
 def render(spec: str) -> str:

@@ -24,8 +24,9 @@ commands:
           GPUs one process per GPU)
   plan    rank parallel layouts for a model on a cluster with the cost model
   bench   run benchmark rows against their PyTorch peers (shardwise/bench/README.md)
-  checkpoint inspect D | export D --out model.safetensors
-          what a saved checkpoint holds; the plain model's weights as safetensors
+  checkpoint inspect D | export D OUT [--max-shard-size 2GB]
+          what a saved checkpoint holds; the plain model's weights as safetensors (OUT: a
+          folder in the Hugging Face layout, or a file ending in .safetensors)
   generate --run DIR --prompt TEXT | --prompts-file FILE [--max-new-tokens N --temperature T
           --top-k K --seed S --device auto|cpu|cuda --no-cache]
           sample text from a trained run's model (gpt, hf:gpt2, hf:llama) on a device, with a
@@ -202,9 +203,16 @@ def checkpoint_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="layout, step, world size, sizes and config")
     ins.add_argument("path", help="a --checkpoint-dir or a step-N folder in it")
     ins.add_argument("--json", action="store_true", help="print the details as JSON")
-    exp = sub.add_parser("export", help="the plain model's state dict as a safetensors file")
+    exp = sub.add_parser("export", help="the plain model's state dict as safetensors, streamed: "
+                         "a folder in the Hugging Face layout, or one .safetensors file")
     exp.add_argument("path", help="a --checkpoint-dir or a step-N folder in it")
-    exp.add_argument("--out", required=True, help="the .safetensors file to write")
+    exp.add_argument("out", nargs="?", help="a folder (model.safetensors, or shards and "
+                     "model.safetensors.index.json; config.json for hf:* models), or a file "
+                     "ending in .safetensors")
+    exp.add_argument("--out", dest="out_flag", metavar="OUT", help="the same as OUT")
+    exp.add_argument("--max-shard-size", default="2GB", help="largest shard of a folder export "
+                     "(2GB = 2*10^9 bytes; MiB, GiB: 2^20, 2^30; default 2GB); the tensors are "
+                     "read at most this many bytes (and at most 256 MiB) at a time")
     return ap
 
 
@@ -220,8 +228,15 @@ def cmd_checkpoint(argv: list[str]) -> int:
                 info = tools.inspect(args.path)
                 print(json.dumps(info, indent=2) if args.json else tools.describe(info))
             else:
-                shapes = tools.export(args.path, args.out)
-                print(f"wrote {len(shapes)} tensors to {args.out}")
+                if (args.out is None) == (args.out_flag is None):
+                    return error("checkpoint export: give where to write once, as OUT or "
+                                 "--out OUT; fix: e.g. 'shardwise checkpoint export ck model/'")
+                out = args.out or args.out_flag
+                done = tools.export(args.path, out, args.max_shard_size)
+                files = done["files"]
+                shown = files if len(files) <= 3 else [files[0], "...", *files[-2:]]
+                print(f"wrote {len(done['tensors'])} tensors to {out} in {len(files)} "
+                      f"file(s): {', '.join(shown)}")
     except ConfigError as exc:
         return error(str(exc))
     except (OSError, KeyError, ValueError) as exc:

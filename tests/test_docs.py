@@ -29,7 +29,11 @@ def _pages_with(kind: str) -> list[str]:
     return [p for p in gen_docs.pages() if f"<!-- generated: {kind}" in open(p).read()]
 
 
-@pytest.mark.parametrize("kind", ["bench-table", "gpu-table"])
+MEASURED = ["bench-table", "gpu-table", "bench-rows", "json-table", "ps-rows", "bubble",
+            "planner-steps", "planner-categories"]
+
+
+@pytest.mark.parametrize("kind", MEASURED)
 def test_a_changed_figure_is_caught(tmp_path, kind):
     """Change one number in a measured table: the check names that block."""
     pages = _pages_with(kind)
@@ -46,3 +50,19 @@ def test_a_changed_figure_is_caught(tmp_path, kind):
     assert gen_docs.process(str(page), check=True), "a changed figure went unnoticed"
     page.write_text(text)
     assert not gen_docs.process(str(page), check=True)
+
+
+@pytest.mark.parametrize("kind", MEASURED[2:])
+def test_a_measured_block_says_where_its_json_ran(kind):
+    """Each concept page's measured table ends with its files' date, commit, dirty flag and
+    machine ("not recorded" where an old JSON lacks one)."""
+    pages = _pages_with(kind)
+    assert pages, f"no page carries a generated {kind} block"
+    for page in pages:
+        text = open(page).read()
+        for m in gen_docs.BLOCK.finditer(text):
+            if m.group("spec").split()[0] == kind:
+                tail = m.group("body").rstrip().rsplit("\n", 1)[-1]
+                assert tail.startswith("Generated from `") and "commit " in tail, tail
+                assert "uncommitted changes " in tail, tail
+                assert "CPUs" in tail or "machine not recorded" in tail, tail

@@ -107,6 +107,14 @@ def read_tensors(folder: str, prefix: str) -> dict[str, torch.Tensor]:
     return {k[len(prefix):]: t for k, t in template.items()}
 
 
+def read_keys(folder: str, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """The stored tensors ``shapes`` names ({key: (shape, dtype)}, as :func:`stored` gives),
+    whole, read by this process alone into tensors allocated here: only those keys' bytes are
+    read (DCP stages one stored tensor at a time while it copies it in)."""
+    template = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
+    return load(template, folder, None) if template else {}
+
+
 def read_object(folder: str, key: str, group: Group | None):
     """One stored object (saved as a BytesIO of torch.save), unpickled with its tensors on the
     CPU, wherever they were saved (a CUDA run's state read by a CPU run, or on a machine with

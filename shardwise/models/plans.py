@@ -117,15 +117,66 @@ def registered_modules() -> set[str]:
     return {c.__module__ for c in _REGISTRY if isinstance(c, type)}
 
 
-def plan_of(model: nn.Module) -> ModelPlan | None:
-    """The plan of ``model``'s class (None: no plan; such a model trains under dp / ZeRO)."""
-    for cls in type(model).__mro__:
-        if cls in _REGISTRY:
-            return _REGISTRY[cls]
-    for cls in type(model).__mro__:
-        if cls.__name__ in _REGISTRY and _builtin(cls):
-            return _REGISTRY[cls.__name__]
+def _lookup(cls: type) -> ModelPlan | None:
+    owner = plan_class(cls)
+    if owner is None:
+        return None
+    return _REGISTRY[owner] if owner in _REGISTRY else _REGISTRY[owner.__name__]
+
+
+def plan_class(cls: type) -> type | None:
+    """The class in ``cls``'s MRO whose plan applies to it (itself, or a base)."""
+    for c in cls.__mro__:
+        if c in _REGISTRY:
+            return c
+    for c in cls.__mro__:
+        if c.__name__ in _REGISTRY and _builtin(c):
+            return c
     return None
+
+
+def plan_of(model: nn.Module) -> ModelPlan | None:
+    """The plan of ``model``'s class (None: no plan; such a model trains under dp / ZeRO).
+    A plan whose modules ``model`` does not have (a wrapper registered with the plan of the
+    Hugging Face model it holds) is refused in one line (:func:`_check_fits`)."""
+    plan = _lookup(type(model))
+    if plan is not None:
+        _check_fits(model, plan)
+    return plan
+
+
+def _check_fits(model: nn.Module, plan: ModelPlan) -> None:
+    """Every module path the plan names exists in ``model``, and its sizes can be read; else
+    one TypeError line naming the class, the missing path and the fix (instead of an
+    AttributeError from deep inside a pipeline stage or a tensor-parallel split)."""
+    name = type(model).__name__
+    missing = next((p for p in (plan.blocks, *plan.first, *plan.last, *plan.shared)
+                    if not _has_module(model, p)), None)
+    why = f"names module {missing!r}, which {name} does not have" if missing else None
+    if why is None and plan.sizes is not None:
+        try:
+            plan.sizes(model)
+        except AttributeError as e:
+            why = f"reads its sizes from attributes {name} does not have ({e})"
+    if why is None:
+        return
+    inner = next(((path, type(m).__name__) for path, m in model.named_modules()
+                  if path and _lookup(type(m)) is not None), None)
+    holds = f" (it holds a {inner[1]} at {inner[0]!r})" if inner else ""
+    itself = f"pass the {inner[1]} itself to shardwise.prepare" if inner else \
+        "train it with --dp and --zero-stage 0-3"
+    raise TypeError(f"the model plan found for {name} {why}{holds}, so tensor / pipeline "
+                    f"parallelism cannot split it; fix: shardwise.register_plan({name}, "
+                    f"ModelPlan(...)) with module paths (and embed / final pieces) that start "
+                    f"at {name}, or {itself}")
+
+
+def _has_module(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 def _builtin(cls: type) -> bool:

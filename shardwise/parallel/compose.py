@@ -53,7 +53,7 @@ from shardwise.memory.checkpointing import apply_activation_checkpointing
 from shardwise.memory.freeze import freeze
 from shardwise.memory.lora import inject_lora
 from shardwise.mesh import Mesh
-from shardwise.models.plans import block_class_names, plan_of
+from shardwise.models.plans import block_class_names, plan_class, plan_of
 from shardwise.parallel import strategy_class
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
 from shardwise.parallel.data import stage_class
@@ -84,6 +84,13 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
         raise TypeError(f"tensor and pipeline parallelism split a model by its plan; {name} "
                         f"has none; fix: shardwise.register_plan({name}, ModelPlan(...)) "
                         "(shardwise/models/plans.py), or use --dp with --zero-stage 0-3")
+    owner = plan_class(type(model))
+    if mesh.pp > 1 and type(model).forward is not owner.forward:
+        name = type(model).__name__
+        raise TypeError(f"a pipeline runs the stages of {owner.__name__}'s plan, not "
+                        f"{name}.forward, which {name} overrides (it would be ignored); fix: "
+                        f"shardwise.register_plan({name}, ModelPlan(...)) with pieces that do "
+                        f"what its forward does, or train {name} with pp = 1")
     specs = {}
     if mesh.tp > 1 or mesh.pp > 1:                                        # 2
         model, specs, loss_fn = split_from_rank0(model, mesh, comm, device, loss_fn)

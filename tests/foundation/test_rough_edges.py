@@ -151,3 +151,81 @@ def test_unused_parameter_in_a_world_of_one_is_one_line(tmp_path, monkeypatch, c
     assert code == 2, err
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "extra.weight" in lines[0] and "Traceback" not in err, err
+
+
+class WrapsGPT2(nn.Module):
+    """A user's module that holds a Hugging Face GPT-2 and returns only its logits."""
+
+    def __init__(self):
+        super().__init__()
+        from models_hf import tiny_gpt2
+        self.gpt = tiny_gpt2(0)
+
+    def forward(self, x):
+        return self.gpt(x).logits
+
+
+def _pipeline_over_wrapper(rank, n):
+    import shardwise
+    from shardwise.config import Config, ParallelConfig, TrainConfig
+    from shardwise.models.plans import plan_of
+    cfg = Config(parallel=ParallelConfig(strategy="pp", pp=2, num_microbatches=2),
+                 train=TrainConfig(batch_size=4, device="cpu"))
+    out = {}
+    for case in ("unregistered", "registered with GPT-2's plan"):
+        if case != "unregistered":           # the fix a person tries first: the inner plan
+            shardwise.register_plan(WrapsGPT2, plan_of(WrapsGPT2().gpt))
+        try:
+            shardwise.prepare(WrapsGPT2(), lambda ps: torch.optim.SGD(ps, lr=0.1), cfg,
+                              loss_fn=nn.functional.cross_entropy)
+            out[case] = None
+        except Exception as exc:            # noqa: BLE001 - the type is what is asserted
+            out[case] = (type(exc).__name__, str(exc))
+    return out
+
+
+def test_a_pipeline_over_a_module_wrapping_hf_gpt2_is_refused_in_one_line():
+    pytest.importorskip("transformers")
+    for res in run_world(_pipeline_over_wrapper, 2):
+        for case, got in res.items():
+            assert got is not None, case
+            kind, msg = got
+            assert kind == "TypeError" and "\n" not in msg, (case, kind, msg)
+            assert "WrapsGPT2" in msg and "fix:" in msg, msg
+            assert "shardwise.register_plan(WrapsGPT2" in msg, msg
+        msg = res["registered with GPT-2's plan"][1]
+        assert "'transformer.h'" in msg and "GPT2LMHeadModel at 'gpt'" in msg, msg
+        assert "pass the GPT2LMHeadModel itself" in msg, msg
+
+
+def _subclass_pipeline(rank, n):
+    import shardwise
+    from models_hf import tiny_gpt2
+    from reference import tiny_config
+    from dataclasses import replace
+    from transformers import GPT2LMHeadModel
+
+    class LogitsOnly(GPT2LMHeadModel):
+        def forward(self, input_ids):
+            return super().forward(input_ids=input_ids).logits
+
+    model = tiny_gpt2(0)
+    model.__class__ = LogitsOnly
+    cfg = tiny_config("pp", pp=2)
+    cfg = replace(cfg, logging=replace(cfg.logging, schedule_png="off"))
+    try:
+        shardwise.prepare(model, lambda ps: __import__("torch").optim.SGD(ps, lr=0.1), cfg)
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_pipeline_over_a_subclass_that_overrides_forward_is_refused_not_hung():
+    """A subclass of GPT2LMHeadModel whose forward returns only the logits: the pipeline runs
+    the plan's pieces, not that forward, so the loss saw a ModelOutput on the last stage only
+    and the other stage waited for it; now every rank refuses in one line before any split."""
+    from harness import run_world
+    for message in run_world(_subclass_pipeline, 2):
+        assert message is not None and "\n" not in message
+        assert "LogitsOnly.forward" in message and "fix:" in message
