@@ -18,7 +18,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,7 +25,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "foundation"))
-from test_readme_tour import SHORTEN, shortened, tour_commands  # noqa: E402
+from test_readme_tour import SHORTEN, run_shell, shell_env, shortened, tour_commands  # noqa: E402
 
 # SHARDWISE_DOCS_SHELL=full trains every training command (about 8 minutes on 2 busy cores)
 FULL = os.environ.get("SHARDWISE_DOCS_SHELL") == "full"
@@ -140,9 +139,7 @@ def test_commands_are_read_as_a_shell_reads_them():
 
 @pytest.mark.timeout(900)
 def test_every_unmarked_block_runs(tmp_path):
-    env = dict(os.environ)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    env.pop("RANK", None)
+    env = shell_env()
 
     def run_block(i_block: tuple[int, dict]) -> str | None:
         i, block = i_block
@@ -151,11 +148,9 @@ def test_every_unmarked_block_runs(tmp_path):
         os.symlink(os.path.join(ROOT, "examples"), cwd / "examples")
         os.symlink(os.path.join(ROOT, "README.md"), cwd / "README.md")
         for run in shortened_block(block["commands"], str(cwd / "runs")):
-            done = subprocess.run(["bash", "-c", run], cwd=cwd, env=env, capture_output=True,
-                                  text=True, timeout=300)
-            output = done.stdout + done.stderr
-            if done.returncode != 0 or "Traceback" in output:
-                return f"{block['where']}\n$ {run}\nexit {done.returncode}\n{output[-3000:]}"
+            failure = run_shell(run, cwd, env, 300)
+            if failure:
+                return f"{block['where']}\n{failure}"
         return None
     with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [f for f in pool.map(run_block, enumerate(to_run())) if f]

@@ -94,8 +94,9 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
     specs = {}
     if mesh.tp > 1 or mesh.pp > 1:                                        # 2
         model, specs, loss_fn = split_from_rank0(model, mesh, comm, device, loss_fn)
-    cut, units = None, block_class_names(model)
+    cut = units = None
     if mesh.pp > 1:                                                       # 3
+        units = block_class_names(model)   # ZeRO-3's unit class, read off the whole model
         cut = driver.cut(model, cfg, mesh)
         model = cut.stage
     if m.activation_checkpointing:                                        # 4

@@ -42,6 +42,24 @@ def shortened(command: str, out_dir: str) -> str:
     return f"{head} > {redirect}" if redirect else head
 
 
+def shell_env() -> dict:
+    """The environment a newcomer's shell has: this interpreter's scripts first, no RANK."""
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.pop("RANK", None)
+    return env
+
+
+def run_shell(run: str, cwd, env: dict, timeout: float) -> str | None:
+    """Run one command in bash; None when it exits 0 with no traceback, else what to report."""
+    done = subprocess.run(["bash", "-c", run], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    if done.returncode != 0 or "Traceback" in output:
+        return f"$ {run}\nexit {done.returncode}\n{output[-3000:]}"
+    return None
+
+
 def test_the_tour_block_is_found():
     commands = tour_commands()
     assert commands[0] == "shardwise train" and len(commands) >= 8
@@ -51,19 +69,11 @@ def test_the_tour_block_is_found():
 @pytest.mark.timeout(1200)
 def test_every_tour_command_runs(tmp_path):
     os.symlink(os.path.join(ROOT, "examples"), tmp_path / "examples")
-    env = dict(os.environ)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    env.pop("RANK", None)
+    env = shell_env()
 
     def run_one(i_command: tuple[int, str]) -> str | None:
         i, command = i_command
-        run = shortened(command, str(tmp_path / "runs" / str(i)))
-        done = subprocess.run(["bash", "-c", run], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=400)
-        output = done.stdout + done.stderr
-        if done.returncode != 0 or "Traceback" in output:
-            return f"$ {run}\nexit {done.returncode}\n{output[-3000:]}"
-        return None
+        return run_shell(shortened(command, str(tmp_path / "runs" / str(i))), tmp_path, env, 400)
     with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [f for f in pool.map(run_one, enumerate(tour_commands())) if f]
     assert not failures, "\n\n".join(failures)
