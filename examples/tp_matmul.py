@@ -15,7 +15,7 @@ import torch.nn as nn
 from shardwise.comm.collectives import Comm
 from shardwise.mesh import Mesh
 from shardwise.parallel.tensor import ColumnParallelLinear
-from shardwise.testing import run_world
+from shardwise.launch.world import run_world
 
 
 def split_matmul(rank: int, world: int) -> dict:

@@ -219,7 +219,8 @@ def planner_categories(path: str) -> str:
 
 def cli_reference() -> str:
     """Each command's usage and options, as ``--help`` prints them (one source)."""
-    from shardwise import cli, generate
+    from shardwise import cli
+    from shardwise.run import generate
     from shardwise.bench.run import parser as bench_parser
     from shardwise.planner.cli import build_parser as plan_parser
     parsers = [("shardwise train", cli.train_parser()), ("shardwise plan", plan_parser()),

@@ -9,9 +9,9 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "prepare": "shardwise.api", "Engine": "shardwise.api", "optimizer_factory": "shardwise.api",
+    "prepare": "shardwise.run.api", "Engine": "shardwise.run.api", "optimizer_factory": "shardwise.run.api",
     "Config": "shardwise.config", "ConfigError": "shardwise.config", "Mesh": "shardwise.mesh",
-    "Runtime": "shardwise.runtime", "init_runtime": "shardwise.runtime",
+    "Runtime": "shardwise.run.runtime", "init_runtime": "shardwise.run.runtime",
     "register_plan": "shardwise.models.plans", "ModelPlan": "shardwise.models.plans",
     "Split": "shardwise.models.plans",
 }

@@ -1,10 +1,10 @@
 """``shardwise train | plan | bench``: the command line.
 
 Every config field is a flag (``--n-layer 4``, ``--strategy ddp``, ``--overlap/--no-overlap``),
-generated from shardwise/config.py so that ``--help`` documents every field. A bad value stops
+generated from shardwise/config/__init__.py so that ``--help`` documents every field. A bad value stops
 with one line on stderr (field, value, fix), exit code 2, before any process starts: the checks
-are shardwise/prelaunch.py's, the run itself (in this process, or as one rank of a launched
-world) shardwise/ranks.py's.
+are shardwise/launch/checks.py's, the run itself (in this process, or as one rank of a launched
+world) shardwise/launch/ranks.py's.
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import functools
 import sys
 
 from shardwise.config import Config, ConfigError, flag_of, from_dict, read_file, section_fields
-from shardwise import prelaunch, ranks
-from shardwise.prelaunch import FinishedBeforeRestart, error
+from shardwise.launch import checks as prelaunch
+from shardwise.launch import ranks
+from shardwise.launch.checks import FinishedBeforeRestart, error
 
 USAGE = """usage: shardwise COMMAND [options]
 
@@ -82,10 +83,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
-    """Defaults <- --config file <- flags, then the layout resolved (shardwise/layout.py: a
+    """Defaults <- --config file <- flags, then the layout resolved (shardwise/parallel/layout.py: a
     strategy the person named is a preset the axis flags must agree with). Raises ConfigError
     on a bad value."""
-    from shardwise import layout
+    from shardwise.parallel import layout
     args = _parser().parse_args(argv)
     cfg, named = Config(), hasattr(args, "parallel.strategy")
     if getattr(args, "config", None):
@@ -106,10 +107,10 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     """Everything ``shardwise train`` checks before it starts a process: parse the flags and
     the config file, then validate the config against the world it will run in. Returns
     (config, parsed flags, world size); raises ConfigError (or SystemExit(2) for a bad flag)."""
-    from shardwise import launch
-    from shardwise.layout import check_model_names
+    from shardwise.launch import torchrun as launch
+    from shardwise.parallel.layout import check_model_names
     from shardwise.checkpoint.checks import check as check_checkpoint
-    from shardwise.validate import check_ignored, validate
+    from shardwise.run.validate import check_ignored, validate
     cfg, args = parse_config(argv)
     world = launch.world_size(cfg)
     validate(cfg, world)
@@ -126,7 +127,7 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
 
 
 def cmd_train(argv: list[str]) -> int:
-    from shardwise import launch
+    from shardwise.launch import torchrun as launch
     try:
         cfg, args, world = check_train(argv)
     except ConfigError as exc:
@@ -147,8 +148,8 @@ def cmd_train(argv: list[str]) -> int:
             return error("parallel.strategy = 'auto' under a launcher: each rank would calibrate "
                          "on its own; fix: run 'shardwise train --strategy auto' without torchrun "
                          "(it launches the ranks itself), or pick a strategy")
-        from shardwise.autoplan import choose, fixed_by_user
-        from shardwise.layout import resolve
+        from shardwise.launch.auto import choose, fixed_by_user
+        from shardwise.parallel.layout import resolve
         try:
             fixed = fixed_by_user(cfg, lambda sec, name: prelaunch.given(args, sec, name))
             choice = choose(cfg, fixed=fixed)
@@ -158,7 +159,7 @@ def cmd_train(argv: list[str]) -> int:
         world = launch.world_size(cfg)
     if launch.under_launcher():
         return ranks.train_rank(cfg)
-    from shardwise import rundir
+    from shardwise.config import rundir
     try:   # name the run once, here: every rank (and the schedule picture) uses the same folder
         cfg = rundir.name_run(cfg)
         folder = rundir.create(cfg)
@@ -246,8 +247,8 @@ def cmd_checkpoint(argv: list[str]) -> int:
 
 
 def cmd_generate(argv: list[str]) -> int:
-    """Sample text from a trained run (shardwise/generate.py)."""
-    from shardwise import generate
+    """Sample text from a trained run (shardwise/run/generate.py)."""
+    from shardwise.run import generate
     return generate.main(argv, _OneLineParser, error)
 
 

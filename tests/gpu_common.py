@@ -1,6 +1,6 @@
 """Shared pieces of the GPU suite (tests/gpu/, ``pytest -m gpu``).
 
-Every GPU test trains in forked child processes (shardwise.testing.run_world), never in the pytest
+Every GPU test trains in forked child processes (shardwise.launch.world.run_world), never in the pytest
 process itself: a process that has touched CUDA cannot fork a child that uses CUDA, so the parent
 only asks whether a device exists (through NVML, which starts no CUDA context).
 
@@ -51,8 +51,8 @@ def on_cpu(params: dict) -> dict:
 def train_on_device(cfg):
     """Train ``cfg`` in this child's world; (losses, full parameters on the CPU, device types
     the engine's parameters were on)."""
-    from shardwise.runtime import init_runtime
-    from shardwise.train import train
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
     summary = train(cfg, init_runtime(cfg), quiet=True)
     engine = summary["engine"]
     kinds = sorted({p.device.type for p in engine.model.parameters()})
@@ -73,7 +73,7 @@ def single_reference(rank, n, cfgs):
 def assert_close(got, expected, rtol, atol, why):
     losses, params, kinds = got
     assert kinds == [DEVICE], f"parameters were on {kinds}, not {DEVICE}"
-    from shardwise.testing import assert_close_runs
+    from shardwise.launch.world import assert_close_runs
     assert_close_runs(losses, expected[0], params, expected[1], rtol, atol, why=why)
 
 

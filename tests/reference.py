@@ -10,8 +10,8 @@ from dataclasses import replace
 import torch
 
 from shardwise.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig
-from shardwise.runtime import init_runtime
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.run.train import train
 
 
 def tiny_config(strategy: str = "single", steps: int = 10, **parallel) -> Config:

@@ -11,9 +11,9 @@ import argparse
 from dataclasses import replace
 
 from shardwise.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig
-from shardwise.runtime import init_runtime
-from shardwise.testing import run_world
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.launch.world import run_world
+from shardwise.run.train import train
 
 
 def _config(steps: int) -> Config:

@@ -7,7 +7,7 @@ same process, alternately.
 
 Every run: our GPT (``shardwise.models.build_model``, tied embeddings, SDPA attention, which is
 the fused flash kernel on CUDA in bf16), block size 1024, vocabulary 50304, synthetic tokens,
-AdamW (betas 0.9 / 0.95, ``fused`` on CUDA: shardwise.api.optimizer_factory), bf16 autocast over
+AdamW (betas 0.9 / 0.95, ``fused`` on CUDA: shardwise.run.api.optimizer_factory), bf16 autocast over
 fp32 parameters, every block's forward compiled with ``torch.compile`` unless the case is ``eager``. Cases (shardwise side, and its peer):
 
     eager            single, no compile              | the plain loop, no compile
@@ -22,7 +22,7 @@ A case with a peer runs peer, shardwise, peer, shardwise ... (``--reps`` pairs; 
 clocks and caches drift over a run) and reports the ratio of the medians. Each run: ``--steps``
 steps, the first 4 untimed (compilation, allocator warm-up, the ledger's sampled forwards), each timed step ends with
 ``torch.cuda.synchronize``; tokens/s = rows x 1024 / median step; MFU = tokens/s x (6 N +
-12 L T C) / the device's dense bf16 peak (shardwise.metrics.PEAK_FLOPS: 989 TFLOP/s for H100 and
+12 L T C) / the device's dense bf16 peak (shardwise.run.metrics.PEAK_FLOPS: 989 TFLOP/s for H100 and
 H200; N counts the tied embedding once, as the head's matmul uses it). Memory: the peak of
 ``torch.cuda.max_memory_allocated`` over the run less what was allocated before it, and for
 shardwise's runs the memory ledger at its peak instant (``memory_at_peak``, the bytes the
@@ -179,9 +179,9 @@ def run_shardwise(cfg, compiled: bool, device) -> dict:
     """shardwise.prepare, the engine `shardwise train` drives."""
     import torch
     import shardwise
-    from shardwise.api import optimizer_factory
+    from shardwise.run.api import optimizer_factory
     from shardwise.models import build_model, lm_loss
-    from shardwise.runtime import init_runtime
+    from shardwise.run.runtime import init_runtime
     if cfg.parallel.strategy != "single":
         world_of_one(device)
     base = _clean(device)
@@ -204,7 +204,7 @@ def run_shardwise(cfg, compiled: bool, device) -> dict:
 def run_peer(cfg, compiled: bool, peer: str, device) -> dict:
     """The plain PyTorch loop a user writes for the same model and settings (or DDP / FSDP2)."""
     import torch
-    from shardwise.api import optimizer_factory
+    from shardwise.run.api import optimizer_factory
     from shardwise.models import build_model, lm_loss
     if peer in ("torch-ddp", "fsdp2"):
         world_of_one(device)
@@ -244,14 +244,14 @@ def run_peer(cfg, compiled: bool, peer: str, device) -> dict:
 
 def _peak(device) -> int:
     import torch
-    from shardwise.metrics import peak_memory_bytes
+    from shardwise.run.metrics import peak_memory_bytes
     return peak_memory_bytes(device) if device.type == "cuda" else 0
 
 
 def figures(run: dict, cfg, device) -> dict:
     """Median step, tokens/s, MFU, the spread of the timed steps, the ledger's gap."""
     import torch
-    from shardwise.metrics import device_peak_flops
+    from shardwise.run.metrics import device_peak_flops
     steady = run.pop("times")[WARMUP:]
     step = statistics.median(steady)
     rate = cfg.train.batch_size * cfg.model.block_size / step

@@ -1,7 +1,7 @@
 """The benchmark contract: a Row pairs a shardwise configuration with its PyTorch peer.
 
 A side is a function ``fn(rank, world_size, **args) -> dict`` run in a fresh forked gloo world
-of ``world`` processes (shardwise.testing.run_world). It returns rank-local figures; the runner
+of ``world`` processes (shardwise.launch.world.run_world). It returns rank-local figures; the runner
 keeps rank 0's dict and adds ``peak_rss_per_rank`` (each process's peak resident memory). Keys the
 runner understands (all optional but ``items_per_s``):
 
@@ -36,8 +36,8 @@ class Row:
 
 
 def peak_rss() -> int:
-    """This process's peak resident memory, bytes (the CPU figure of shardwise.metrics)."""
-    from shardwise.metrics import peak_memory_bytes
+    """This process's peak resident memory, bytes (the CPU figure of shardwise.run.metrics)."""
+    from shardwise.run.metrics import peak_memory_bytes
     return peak_memory_bytes(torch.device("cpu"))
 
 

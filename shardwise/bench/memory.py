@@ -98,8 +98,8 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4) -> di
     state = {"step": 0}
     if kind in ("ddp", "zero1", "zero2", "zero3"):
         import shardwise
-        from shardwise.api import optimizer_factory
-        from shardwise.runtime import init_runtime
+        from shardwise.run.api import optimizer_factory
+        from shardwise.run.runtime import init_runtime
         engine = shardwise.prepare(model, optimizer_factory(cfg), cfg, loss_fn=lm_loss,
                                    runtime=init_runtime(cfg))
 
@@ -219,7 +219,7 @@ def ledger_at_peak(ledger: dict | None, instant: dict | None = None) -> int | No
 
 
 def measure(steps: int, batch: int, world: int = 2) -> dict:
-    from shardwise.testing import run_world
+    from shardwise.launch.world import run_world
     out = {}
     for kind in SIDES:
         ranks = run_world(side, world, kind, steps, batch, timeout=1800)

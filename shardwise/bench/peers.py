@@ -49,8 +49,8 @@ def torch_ddp_tokens_per_s(cfg, rank: int, world: int, bucket_mb: float = 25.0,
 
 def ours_tokens_per_s(cfg, world: int) -> dict:
     """Run shardwise's own loop on cfg in the current world; its figures."""
-    from shardwise.runtime import init_runtime
-    from shardwise.train import train
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
     threads_for(world)
     rt = init_runtime(cfg)
     s = train(cfg, rt, quiet=True)

@@ -30,7 +30,7 @@ import time
 import torch
 
 from shardwise.bench.harness import Row
-from shardwise.testing import run_world
+from shardwise.launch.world import run_world
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 

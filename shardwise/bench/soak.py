@@ -5,7 +5,7 @@ show that nothing grows step by step (no leak in the buckets, the ps messages, t
     python -m shardwise.bench.soak --steps 600 --every 50   # a quick look
     python -m shardwise.bench.soak --save                   # shardwise/bench/results/soak-w3.json
 
-Each side runs in its own forked gloo world of 3 (shardwise.testing.run_world): ddp over 3
+Each side runs in its own forked gloo world of 3 (shardwise.launch.world.run_world): ddp over 3
 replicas; ps with one ps task and two workers. The model is tiny_config's GPT (2 layers, width
 32, seq 16, vocabulary 67) with AdamW, global batch 12, the engine's own ``train_step`` called
 ``--steps`` times with no checkpoints, evaluation or logging (the loop's own growth, metrics
@@ -55,10 +55,10 @@ def _config(side: str, steps: int):
 def _rank(rank: int, world: int, side: str, steps: int, every: int) -> dict:
     """One rank of one side: train ``steps`` steps, sampling (step, rss, hwm) in KiB."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 131072)          # M_MMAP_THRESHOLD (docstring)
-    from shardwise.api import optimizer_factory, prepare
+    from shardwise.run.api import optimizer_factory, prepare
     from shardwise.data import build_data
     from shardwise.models import build_model, loss_for
-    from shardwise.runtime import init_runtime
+    from shardwise.run.runtime import init_runtime
     cfg = _config(side, steps)
     rt = init_runtime(cfg)
     data = build_data(cfg)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.every <= args.warmup < args.steps:
         print("error: need 0 < --every <= --warmup < --steps", file=sys.stderr)
         return 2
-    from shardwise.testing import run_world
+    from shardwise.launch.world import run_world
     out = {"steps": args.steps, "every": args.every, "warmup": args.warmup,
            "world": args.world, "load": os.getloadavg(), "sides": {}}
     for side in args.sides.split(","):

@@ -70,9 +70,9 @@ def side(rank: int, world: int, name: str, steps: int, batch: int) -> dict:
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])   # torch._dynamo: every side pays
     baseline = _rss_now()
     import shardwise
-    from shardwise.api import optimizer_factory
+    from shardwise.run.api import optimizer_factory
     from shardwise.models import build_model, loss_for
-    from shardwise.runtime import init_runtime
+    from shardwise.run.runtime import init_runtime
     engine = shardwise.prepare(build_model(cfg.model, cfg.train.seed), optimizer_factory(cfg),
                                cfg, loss_fn=loss_for(cfg.model), runtime=init_runtime(cfg))
     build_peak = _status_kib("VmHWM")    # the peak so far: building and preparing the model
@@ -97,7 +97,7 @@ def measure(steps: int, batch: int, reps: int = 1) -> dict:
     machine hits every side alike). Per side: the pass with the highest peak (memory repeats
     within a few MiB), with ``items_per_s`` replaced by the median of the passes and
     ``items_per_s_runs`` holding every pass's figure (the spread)."""
-    from shardwise.testing import run_world
+    from shardwise.launch.world import run_world
     runs: dict[str, list[dict]] = {name: [] for name in SIDES}
     for rep in range(reps):
         for name in SIDES:

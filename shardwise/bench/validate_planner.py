@@ -4,10 +4,10 @@
 
 For each strategy shardwise has here (``shardwise.parallel.available()``), the benchmark GPT
 (``shardwise.bench.harness.gpt_bench_config``: 4 layers, width 256, seq 128, batch 8, fp32 AdamW)
-trains briefly in a forked gloo world (``shardwise.testing.run_world``). Rank by rank the
+trains briefly in a forked gloo world (``shardwise.launch.world.run_world``). Rank by rank the
 strategy's ``memory_ledger()`` gives the bytes it holds by category; the fullest rank is
 compared with the planner's ``estimate()`` for the same layout (the planner also reports its
-fullest device), on the Hardware that ``shardwise.autoplan.calibrate`` measures for that world
+fullest device), on the Hardware that ``shardwise.launch.auto.calibrate`` measures for that world
 size (matmul, GPT forward+backward fit, copy bandwidth, the optimizer step, gloo's and data
 parallelism's allreduce) around its runs: ``--reps`` runs (3), each between two calibrations,
 medians of both sides (``Calibrations``: this machine's speed drifts within a minute). Goals
@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from shardwise.bench.harness import gpt_bench_config
-from shardwise import autoplan
+from shardwise.launch import auto as autoplan
 from shardwise.planner import Layout, estimate
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -53,8 +53,8 @@ CASES = {
 
 def _train(rank: int, world: int, cfg) -> dict:
     """One rank: train, return its ledger and the run's throughput (tokens/s)."""
-    from shardwise.runtime import init_runtime
-    from shardwise.train import train
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
     rt = init_runtime(cfg)
     summary = train(cfg, rt, quiet=True)
     ledger = {k: int(v) for k, v in summary["ledger"].items()}
@@ -164,7 +164,7 @@ def validate_one(name: str, steps: int, calibrations: Calibrations, reps: int = 
     (calibrate, run, calibrate, run, ..., calibrate: the one after a run is the next one's
     before): the prediction is the median over those ``reps + 1`` calibrations, the measure the
     median over the runs, as the benchmarks race a peer (A B A B)."""
-    from shardwise.testing import run_world
+    from shardwise.launch.world import run_world
     world, par, layout = CASES[name]
     cfg = gpt_bench_config(name, parallel=par, train={"steps": steps})
     computing = par.get("num_workers", world) if name == "ps" else world
@@ -240,7 +240,7 @@ def markdown(rows: list[dict], calibrations: Calibrations, load: tuple) -> str:
             cells = [f"{_mb(r['predicted_memory'][k])} / {_mb(r['measured_memory'][k])}"
                      for k in STATES]
             out.append(f"| {r['strategy']} | " + " | ".join(cells) + " |")
-    out += ["", "Calibration per world size (`shardwise.autoplan.calibrate`), the last one taken, "
+    out += ["", "Calibration per world size (`shardwise.launch.auto.calibrate`), the last one taken, "
             "and the spread of the GPT's rate per rank over all taken (one between every two "
             "runs; a strategy's prediction is the median of those around its runs):", ""]
     for n, cals in sorted(calibrations.taken.items()):

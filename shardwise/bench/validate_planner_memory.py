@@ -15,7 +15,7 @@ Measuring (as shardwise/bench/memory.py): each rank first sets ``mallopt(M_MMAP_
 so resident memory tracks live bytes); ``baseline`` is its resident memory after torch, the
 process group, the data and a first torch.optim optimizer, before the model is built; ``peak``
 is ``ru_maxrss`` at the end. The model is built and handed to ``shardwise.prepare`` as
-``shardwise.train.train`` does, then the loop's steps run (``engine.train_step``; no evaluation
+``shardwise.run.train.train`` does, then the loop's steps run (``engine.train_step``; no evaluation
 and no final gather of the weights, which are not training state). ``used = peak - baseline``.
 
 Compared: the planner's fullest device (``Estimate.memory_role``) with the fullest measured rank
@@ -70,12 +70,12 @@ def _rank(rank: int, world: int, cfg) -> dict:
     _returning_malloc()                       # first thing: before any large allocation
     import torch
     import shardwise
-    from shardwise.api import optimizer_factory
+    from shardwise.run.api import optimizer_factory
     from shardwise.bench.harness import threads_for
     from shardwise.data import build_data
     from shardwise.models import build_model, loss_for
-    from shardwise.runtime import init_runtime
-    from shardwise.train import lr_at
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import lr_at
     threads_for(world)
     rt = init_runtime(cfg)
     data = build_data(cfg)
@@ -110,7 +110,7 @@ def hardware(world: int, path: str = os.path.join(RESULTS, "planner_validation.j
 
 def predicted(name: str, cfg, layout, hw) -> dict:
     """The planner's fullest device: role, categories, their sum and the peak instant (bytes)."""
-    from shardwise import autoplan
+    from shardwise.launch import auto as autoplan
     from shardwise.planner import estimate
     from shardwise.planner.memory import memory
     spec = autoplan.model_spec(cfg)          # fused attention: models/gpt.py uses SDPA
@@ -139,7 +139,7 @@ def compare(name: str, pred: dict, ranks: list[dict]) -> dict:
 
 
 def validate_one(name: str, steps: int, batch: int = BATCH) -> dict:
-    from shardwise.testing import run_world
+    from shardwise.launch.world import run_world
     world, _, layout = case(name, batch)
     cfg = config(name, steps, batch)
     pred = predicted(name, cfg, layout, hardware(world))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shardwise.checkpoint import store
 from shardwise.config import Config, ConfigError, to_dict
-from shardwise.writable import check_writable
+from shardwise.config.writable import check_writable
 
 
 def check(cfg: Config, world_size: int) -> None:

@@ -35,8 +35,8 @@ import torch
 
 from shardwise.checkpoint import canonical, dcp_io, store
 from shardwise.config import Config, to_dict
-from shardwise.layout import describe, resolve
-from shardwise.presets import DATA_MODEL, resolve_dp
+from shardwise.parallel.layout import describe, resolve
+from shardwise.parallel.presets import DATA_MODEL, resolve_dp
 
 # parallel and memory settings that do not change what a rank holds, so that a resume may
 # change them and still load the ranks' own states

@@ -56,7 +56,7 @@ ranks train on one GPU (NCCL refuses two ranks on one device); a real multi-GPU 
 which takes CUDA tensors directly. ``stages_through_host`` is the decision.
 
 Device check (``Comm(check_devices=True)``; runtime.py turns it on when the environment sets
-``SHARDWISE_CHECK_DEVICES=1``, and the test harness, shardwise/testing.py, always does). Every
+``SHARDWISE_CHECK_DEVICES=1``, and the test harness, shardwise/launch/world.py, always does). Every
 tensor handed to a collective is checked before anything runs, including in a group of one
 (which otherwise short-circuits), against: CUDA for an NCCL group (NCCL moves CUDA tensors
 only), and the run's device (``Comm.device``) when the runtime declared one. So a tensor made

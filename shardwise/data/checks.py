@@ -1,4 +1,4 @@
-"""The data settings checked before launch (shardwise/validate.py calls :func:`check`): the IDX
+"""The data settings checked before launch (shardwise/run/validate.py calls :func:`check`): the IDX
 folder of MNIST / Fashion-MNIST, and for ``--dataset text`` a path that matches files with text
 in them and a tokenizer that exists (whether the files are UTF-8 and long enough is known once
 they are read: the token cache, shardwise/data/token_cache.py). Settings only ``--dataset text``
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from shardwise.config import Config, ConfigError
-from shardwise.writable import check_writable
+from shardwise.config.writable import check_writable
 
 
 def check(cfg: Config) -> None:
@@ -59,7 +59,7 @@ def _text_data(cfg: Config) -> None:
         raise ConfigError("data.tokenizer", d.tokenizer, str(exc), "use bytes, bpe:N (e.g. "
                           "bpe:8192) or a local tokenizer.json (or a folder holding one)") from None
     if kind != "bytes":
-        from shardwise.extras import available
+        from shardwise.config.extras import available
         if not available("tokenizers"):
             raise ConfigError("data.tokenizer", d.tokenizer, "needs the 'tokenizers' package, "
                               "which is not installed", "pip install 'shardwise[hf]'")

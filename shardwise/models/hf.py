@@ -81,7 +81,7 @@ def file_vocab(m) -> int | None:
 def check(cfg) -> None:
     """Before launch, without importing transformers: the family's sizes, the config file and
     the weights folder (the file's tensors: :func:`check_weights`)."""
-    from shardwise.extras import available
+    from shardwise.config.extras import available
     m, family = cfg.model, FAMILIES[cfg.model.name]
     if not available("transformers"):
         raise ConfigError("model.name", m.name, "needs the 'transformers' package, which is not "

@@ -1,7 +1,7 @@
 """The strategy contract: how a model is wrapped, how backward runs, how the step is taken.
 
 Every strategy (single, ddp, dp, zero1-3, tp, pp, 3d, ps) is a subclass of :class:`Strategy`, and
-one training loop (shardwise/train.py) and one user-facing engine (shardwise/api.py) drive them
+one training loop (shardwise/run/train.py) and one user-facing engine (shardwise/run/api.py) drive them
 all through these methods. A composed layout (parallel/compose.py) is two of them, each a
 small contract of its own:
 

@@ -37,7 +37,7 @@ below follows it step by step):
                      schedule and hands the component its gradients
 
 The strategy names ``ddp``, ``zero1``-``zero3``, ``tp``, ``pp`` and ``3d`` are presets of
-(zero stage, tp, pp) (shardwise/presets.py), so they all come through steps 1-8. ``single``,
+(zero stage, tp, pp) (shardwise/parallel/presets.py), so they all come through steps 1-8. ``single``,
 ``dp`` (one process's replicas, torch.nn.DataParallel's scheme) and ``ps`` (parameter server)
 stay layouts of their own: they run on no mesh axis (single, dp) or on roles instead of one
 (ps: servers and workers), take steps 0 and 4 only, and are built by the registry.
@@ -59,7 +59,7 @@ from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
 from shardwise.parallel.data import stage_class
 from shardwise.parallel.pipeline import driver
 from shardwise.parallel.tensor import TensorPlan, split_from_rank0
-from shardwise.presets import DATA_MODEL, zero_stage
+from shardwise.parallel.presets import DATA_MODEL, zero_stage
 
 
 def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Config, mesh: Mesh,

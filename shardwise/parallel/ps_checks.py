@@ -1,5 +1,5 @@
 """The parameter server's own settings, checked before launch (``reads``, ``check``); pure, so
-the launcher runs it before any process starts (shardwise/validate.py collects it)."""
+the launcher runs it before any process starts (shardwise/run/validate.py collects it)."""
 from __future__ import annotations
 
 from shardwise.config import Config, ConfigError

@@ -10,7 +10,7 @@ import torch
 from harness import run_world
 from shardwise.comm.collectives import CollectiveError, Comm, Work
 from shardwise.mesh import Mesh
-from shardwise.runtime import spins
+from shardwise.run.runtime import spins
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -22,9 +22,9 @@ from reference import tiny_config
 from shardwise import cli
 from shardwise.checkpoint import store
 from shardwise.models import build_model
-from shardwise.runtime import init_runtime
-from shardwise.stopping import Stopped
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.run.stopping import Stopped
+from shardwise.run.train import train
 
 pytestmark = pytest.mark.timeout(240)
 STEPS = 12

@@ -27,7 +27,7 @@ BAD = [
     (["--strategy", "ps", "--num-ps", "1", "--num-workers", "2", "--straggler", "5:2"],
      "parallel.straggler = '5:2'", "workers 0..1"),
     (["--strategy", "ddp", "--tp", "2"], "parallel.tp = 2", "drop --strategy"),
-    # presets against axis flags and stages (shardwise/layout.py)
+    # presets against axis flags and stages (shardwise/parallel/layout.py)
     (["--strategy", "zero3", "--zero-stage", "1"], "parallel.zero_stage = 1", "drop --strategy"),
     (["--zero-stage", "5"], "parallel.zero_stage = 5", "use 0 (DDP), 1, 2 or 3"),
     (["--strategy", "ps", "--zero-stage", "1"], "parallel.zero_stage = 1", "drop --zero-stage"),

@@ -3,7 +3,7 @@
 Declared: the distribution that provides the module is in ``[project] dependencies``.
 Guarded: the import sits in a ``try:`` whose handlers catch ImportError (or
 ModuleNotFoundError), so the path that reaches it can say which extra to install
-(shardwise/extras.py). Anything else would be a traceback on a user's machine that the
+(shardwise/config/extras.py). Anything else would be a traceback on a user's machine that the
 development machine, with packages installed by hand, never shows.
 """
 from __future__ import annotations

@@ -20,8 +20,8 @@ from reference import tiny_config
 from shardwise import cli
 from shardwise.checkpoint import canonical, dcp_io, export, tools
 from shardwise.models import build_model
-from shardwise.runtime import init_runtime
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.run.train import train
 
 pytestmark = pytest.mark.timeout(240)
 

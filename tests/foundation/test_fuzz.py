@@ -308,7 +308,7 @@ def test_8_out_dir_that_cannot_be_written_is_refused_before_launch(tmp_path, cap
 
 
 def test_8_a_full_disk_is_refused_before_launch(tmp_path, capsys, monkeypatch):
-    from shardwise import writable
+    from shardwise.config import writable
     monkeypatch.setattr(writable, "MIN_FREE_BYTES", 1 << 62)    # this disk, seen as full
     refused([*TINY, "--out-dir", str(tmp_path)], capsys, f"logging.out_dir = '{tmp_path}'",
             "is full", "free some space")
@@ -319,7 +319,7 @@ def test_8_a_disk_that_fills_up_during_the_run_is_one_line(tmp_path, capsys, mon
     metrics.jsonl onto /dev/full gives; the loop itself is stubbed out here: building a real
     optimizer imports torch._dynamo, ~8 s). What the person sees: one line naming --out-dir."""
     import errno
-    from shardwise import train as train_module
+    from shardwise.run import train as train_module
 
     def fill_up(cfg, rt, **kw):
         with open("/dev/full" if os.path.exists("/dev/full") else os.devnull, "w") as fh:

@@ -11,8 +11,10 @@ import shutil
 import pytest
 import torch
 
-from shardwise import cli, generate
+from shardwise import cli
 
+
+from shardwise.run import generate
 pytestmark = pytest.mark.timeout(180)
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 PROMPT = "the quick"

@@ -19,7 +19,9 @@ import json
 import pytest
 import torch
 
-from shardwise import cli, generate
+from shardwise import cli
+
+from shardwise.run import generate
 from shardwise.config import ModelConfig
 from shardwise.models import build_model
 from shardwise.models.decode import Decoder, sample_batch

@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from reference import tiny_config
-from shardwise.runtime import init_runtime
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.run.train import train
 
 
 def _cfg(**memory):

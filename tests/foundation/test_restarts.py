@@ -29,8 +29,8 @@ import torch
 from harness import run_world
 from reference import tiny_config
 from shardwise import cli
-from shardwise.runtime import init_runtime
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.run.train import train
 
 STEPS = 14
 # (the step ``latest`` must reach, the rank to kill) for attempts 0, 1, 2: three kills, each at

@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from shardwise import rundir
+from shardwise.config import rundir
 from shardwise.cli import main
 from shardwise.config import ConfigError
-from shardwise.runlog import Window, log_line, strict
-from shardwise.train import train
+from shardwise.run.runlog import Window, log_line, strict
+from shardwise.run.train import train
 from tests.reference import tiny_config
 
 

@@ -3,7 +3,7 @@
 person's own ``package.module:function``.
 
 Each config comes from ``cli.check_train`` (what ``shardwise train`` resolves before launch),
-trained with the one loop (``shardwise.train.train``) on a small repetitive text corpus, so a
+trained with the one loop (``shardwise.run.train.train``) on a small repetitive text corpus, so a
 few steps at lr 1e-2 must lower the loss. One forked world of 2 runs hf:gpt2 under ZeRO-3 and
 must equal the single-process run (fp32, rtol 1e-5: tests/reference.py says why).
 """
@@ -18,8 +18,8 @@ from reference import ATOL, RTOL
 from shardwise.cli import check_train
 from shardwise.config import ConfigError
 from shardwise.models import build_model
-from shardwise.runtime import init_runtime
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.run.train import train
 
 pytestmark = pytest.mark.timeout(300)
 TEXT = "the cat sat on the mat. the dog sat on the log. " * 60

@@ -20,7 +20,7 @@ import shutil
 from dataclasses import replace
 
 from gpu_common import assert_close, config, marks, single_reference, train_on_device
-from shardwise.testing import run_world
+from shardwise.launch.world import run_world
 
 pytestmark = marks(900)
 RTOL = ATOL = 1e-4

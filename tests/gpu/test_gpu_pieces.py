@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from gpu_common import (DEVICE, SOLO_BACKEND, assert_close, assert_near, config, marks, single_reference,
                         train_on_device)
-from shardwise.testing import run_world
+from shardwise.launch.world import run_world
 
 pytestmark = marks(900)
 
@@ -42,8 +42,8 @@ def test_offload_equals_single():
 
 def _eight_bit(rank, n):
     from shardwise.memory.optim8bit import AdamW8bit
-    from shardwise.runtime import init_runtime
-    from shardwise.train import train
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
     out = {}
     for name, strategy, device in (("single", "single", DEVICE), ("zero2", "zero2", DEVICE),
                                    ("single-cpu", "single", "cpu")):

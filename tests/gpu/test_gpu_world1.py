@@ -16,7 +16,7 @@ shard or a missing unit moves the loss by far more than 2%.
 import pytest
 
 from gpu_common import SOLO_BACKEND, assert_close, assert_near, config, marks, single_reference, train_on_device
-from shardwise.testing import run_world
+from shardwise.launch.world import run_world
 
 pytestmark = marks(900)
 LAYOUTS = [("ddp", {}), ("zero1", {}), ("zero2", {}), ("zero3", {}), ("tp", {"tp": 1}),

@@ -16,7 +16,11 @@ import pytest
 import torch
 
 from reference import tiny_config
-from shardwise import autoplan, calibrate, launch, runtime, testing
+from shardwise.launch import auto as autoplan
+from shardwise.launch import calibrate
+from shardwise.launch import torchrun as launch
+from shardwise.run import runtime
+from shardwise.launch import world as testing
 from shardwise.planner import catalogue
 
 pytestmark = pytest.mark.timeout(240)

@@ -19,10 +19,10 @@ import torch
 from reference import tiny_config
 from shardwise.checkpoint import dcp_io, store
 from shardwise.checkpoint import state as ck_state
-from shardwise.checkpoint.stop import DeferredStop
+from shardwise.run.deferred_stop import DeferredStop
 from shardwise.comm.collectives import Group
-from shardwise.runtime import init_runtime
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.run.train import train
 
 pytestmark = pytest.mark.timeout(240)
 META = torch.device("meta")

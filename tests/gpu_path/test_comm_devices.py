@@ -17,7 +17,7 @@ from reference import tiny_config
 from shardwise.comm import collectives
 from shardwise.comm.collectives import (Comm, DeviceMismatchError, Group, backend_for,
                                         stages_through_host)
-from shardwise.runtime import init_runtime
+from shardwise.run.runtime import init_runtime
 
 pytestmark = pytest.mark.timeout(120)
 

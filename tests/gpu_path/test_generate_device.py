@@ -9,8 +9,10 @@ asked for ('meta' stands for a second device) and the tokens follow the model's 
 import pytest
 import torch
 
-from shardwise import cli, generate
+from shardwise import cli
 
+
+from shardwise.run import generate
 pytestmark = pytest.mark.timeout(180)
 PROMPT = "the quick"
 

@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from reference import tiny_config
-from shardwise import launch, ranks, runtime
+from shardwise.launch import torchrun as launch
+from shardwise.launch import ranks
+from shardwise.run import runtime
 from shardwise.cli import main
 from shardwise.config import ConfigError
 

@@ -43,8 +43,8 @@ def _forbid_pinning(monkeypatch=None):
 
 def _offloaded_run(rank, n):
     _forbid_pinning()
-    from shardwise.runtime import init_runtime
-    from shardwise.train import train
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
     cfg = tiny_config("zero1", steps=3)
     cfg = replace(cfg, memory=MemoryConfig(offload="cpu"))
     s = train(cfg, init_runtime(cfg), quiet=True)

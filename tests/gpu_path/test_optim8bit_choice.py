@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from shardwise.api import optimizer_factory
+from shardwise.run.api import optimizer_factory
 from shardwise.config import Config, TrainConfig
 from shardwise.memory import optim8bit
 from shardwise.memory.optim8bit import AdamW8bit, make_adamw8bit

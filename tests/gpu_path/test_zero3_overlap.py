@@ -19,8 +19,8 @@ from reference import ATOL, RTOL, single_run, tiny_config
 from shardwise.config import MemoryConfig
 from shardwise.parallel.data import zero_stage3
 from shardwise.parallel.data.zero_stage3 import reduce_scatter_async
-from shardwise.runtime import init_runtime
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.run.train import train
 
 pytestmark = pytest.mark.timeout(300)
 WHY = "fp32 reduce-scatter sums in another order than one process's backward"

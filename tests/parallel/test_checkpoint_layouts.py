@@ -37,8 +37,8 @@ import torch
 from harness import assert_close_runs, run_world
 from reference import ATOL, RTOL, tiny_config
 from shardwise.checkpoint import store
-from shardwise.runtime import init_runtime
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.run.train import train
 
 pytestmark = pytest.mark.timeout(480)
 STEPS = 6

@@ -1,5 +1,5 @@
 """The composer (shardwise/parallel/compose.py): any data-parallel stage x tensor parallel on one
-mesh, equal to single-process training, and the presets / contradictions of shardwise/layout.py.
+mesh, equal to single-process training, and the presets / contradictions of shardwise/parallel/layout.py.
 
 Tolerance: fp32 rtol 1e-5 / atol 1e-5 (tests/reference.py): tp splits matmul sums and dp
 averages ranks' gradients in another order than one process.
@@ -12,7 +12,7 @@ import torch
 from harness import assert_close_runs, run_world
 from test_hybrid import WHY, _plain, _user_cfg, _user_world
 from shardwise.config import Config, ConfigError, ParallelConfig
-from shardwise.layout import describe, reads, resolve
+from shardwise.parallel.layout import describe, reads, resolve
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,10 +87,10 @@ def test_every_stage_times_tp_equals_single_with_the_users_loop():
 
 
 def _one_step_meter(cfg):
-    from shardwise.api import optimizer_factory, prepare
+    from shardwise.run.api import optimizer_factory, prepare
     from shardwise.data import build_data
     from shardwise.models import build_model, loss_for
-    from shardwise.runtime import init_runtime
+    from shardwise.run.runtime import init_runtime
     rt = init_runtime(cfg)
     engine = prepare(build_model(cfg.model, 0), optimizer_factory(cfg), cfg,
                      loss_fn=loss_for(cfg.model), runtime=rt)
@@ -131,7 +131,7 @@ def test_pipeline_dp_is_the_ddp_component():
 
 def _tp_zero(rank, n, configs):
     from reference import run
-    from shardwise.runtime import init_runtime
+    from shardwise.run.runtime import init_runtime
     mesh = init_runtime(configs[-1]).mesh
     return [run(cfg) for cfg in configs], mesh.group("tp").ranks, mesh.group("dp").ranks
 

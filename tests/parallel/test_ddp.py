@@ -56,8 +56,8 @@ def test_accumulation_under_no_sync_equals_one_big_step():
 def _traffic(rank, n):
     cfg = tiny_config("ddp", steps=3, bucket_mb=0.01)
     ring_cfg = replace(cfg, parallel=replace(cfg.parallel, allreduce="ring"))
-    from shardwise.runtime import init_runtime
-    from shardwise.train import train
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
     out = {}
     for label, c in (("native", cfg), ("ring", ring_cfg)):
         rt = init_runtime(c)

@@ -43,8 +43,8 @@ def _lenet(strategy, replicas):
 def test_d2l_lenet_one_and_two_replicas_reach_the_same_accuracy():
     """d2l's multi-GPU experiment on scikit-learn's digits: same batch and learning rate,
     1 vs 2 GPUs."""
-    from shardwise.runtime import init_runtime
-    from shardwise.train import train
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
     acc = {}
     for k in (1, 2):
         cfg = _lenet("single" if k == 1 else "dp", k)

@@ -26,8 +26,8 @@ def _cfg(strategy="3d", **parallel):
 
 def _runs(rank, n, configs):
     out = [run(cfg) for cfg in configs]
-    from shardwise.runtime import init_runtime
-    from shardwise.train import train
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
     cfg = replace(configs[0], train=replace(configs[0].train, steps=1))
     rt = init_runtime(cfg)
     train(cfg, rt, quiet=True)
@@ -85,8 +85,8 @@ def test_dp2_with_zero1_over_dp_equals_single():
 def _stage_runs(rank, n, configs):
     """Each config trained (losses, full parameters); then one step of it: the reduce-scatter
     calls and the chunks (buckets, or ZeRO-3's units) of this rank's stage."""
-    from shardwise.runtime import init_runtime
-    from shardwise.train import train
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
     out, steps = [run(cfg) for cfg in configs], []
     for cfg in configs:
         one = replace(cfg, train=replace(cfg.train, steps=1))
@@ -171,10 +171,10 @@ def _user_run(cfg, rank):
     """pp = 1: the user's loop (optimizer.zero_grad, engine(x), backward, clip_grad_norm_, then
     engine.step() or optimizer.step());
     pp > 1: engine.train_step with train.grad_clip."""
-    from shardwise.api import prepare
+    from shardwise.run.api import prepare
     from shardwise.data import build_data
     from shardwise.models import build_model, loss_for
-    from shardwise.runtime import init_runtime
+    from shardwise.run.runtime import init_runtime
     loop, max_norm = cfg.parallel.pp == 1, cfg.train.grad_clip
     if loop:   # the loop clips by hand instead
         cfg = replace(cfg, train=replace(cfg.train, grad_clip=0.0))

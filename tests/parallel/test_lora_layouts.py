@@ -85,8 +85,8 @@ def _hf_lora(strategy, rank=0):
 
 
 def _train_all(rank, world, runs):
-    from shardwise.runtime import init_runtime
-    from shardwise.train import train
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
     out = {f"hf-lora-{s}": _hf_lora(s, rank) for s in ("ddp", "zero3")}
     for name, cfg in runs.items():
         s = train(cfg, init_runtime(cfg), quiet=True)

@@ -27,10 +27,10 @@ def _fp16(strategy, **parallel):
 
 def _run(rank, world, cfg):
     import shardwise
-    from shardwise.api import optimizer_factory
+    from shardwise.run.api import optimizer_factory
     from shardwise.data import build_data
     from shardwise.models import build_model, loss_for
-    from shardwise.runtime import init_runtime
+    from shardwise.run.runtime import init_runtime
     data = build_data(cfg)
     engine = shardwise.prepare(build_model(cfg.model, cfg.train.seed), optimizer_factory(cfg),
                                cfg, loss_fn=loss_for(cfg.model), runtime=init_runtime(cfg))

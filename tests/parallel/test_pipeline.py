@@ -75,10 +75,10 @@ def _configs(world, **parallel):
 
 def _train_and_measure(rank, n, configs, png_dir):
     out = [run(cfg) for cfg in configs]
-    from shardwise.api import optimizer_factory, prepare
+    from shardwise.run.api import optimizer_factory, prepare
     from shardwise.data import build_data
     from shardwise.models import build_model, loss_for
-    from shardwise.runtime import init_runtime
+    from shardwise.run.runtime import init_runtime
     reports = {}
     for cfg in configs:       # one step at m = 1 and m = 4, per schedule: records of the executor
         for m in (1, 4):

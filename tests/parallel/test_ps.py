@@ -17,10 +17,10 @@ from reference import single_run, tiny_config, assert_overflow_step_skipped
 from shardwise.comm.ps_transport import HEADER, pack, partition_by_bytes, unpack
 from shardwise.config import ConfigError
 from shardwise.parallel.ps_checks import parse_straggler
-from shardwise.runtime import init_runtime
-from shardwise.testing import assert_close_runs, run_world
-from shardwise.train import train
-from shardwise.validate import validate
+from shardwise.run.runtime import init_runtime
+from shardwise.launch.world import assert_close_runs, run_world
+from shardwise.run.train import train
+from shardwise.run.validate import validate
 
 pytestmark = pytest.mark.timeout(300)
 WHY = "fp32: summation order of the workers' gradients differs from one full-batch mean"
@@ -44,7 +44,7 @@ INJECT = 2          # the 0-based step whose gradient worker 1 poisons (as test_
 def _poisoned_run(rank, cfg):
     """Drive the engine by hand; at step INJECT worker 1 (global rank 2 with one ps) multiplies
     one of its gradients by inf. Every rank gathers the whole model after every step."""
-    from shardwise.api import optimizer_factory, prepare
+    from shardwise.run.api import optimizer_factory, prepare
     from shardwise.data import build_data
     from shardwise.models import build_model, loss_for
     engine = prepare(build_model(cfg.model, cfg.train.seed), optimizer_factory(cfg), cfg,
@@ -259,7 +259,7 @@ def _hang_after(rank, n, cfg, fail_step, then="barrier"):
     """Drive the engine by hand; worker 1 stops answering after ``fail_step`` steps, then
     rejoins the harness's final barrier (``then='barrier'``) or, after the ps's deadline, raises
     (``then='raise'``: its peers are gone, so there is no barrier to meet)."""
-    from shardwise.api import optimizer_factory, prepare
+    from shardwise.run.api import optimizer_factory, prepare
     from shardwise.data import build_data
     from shardwise.models import build_model, loss_for
     rt = init_runtime(cfg)

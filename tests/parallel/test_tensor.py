@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from harness import assert_close_runs, run_world
 from reference import run, single_run, tiny_config
-from shardwise.api import optimizer_factory, prepare
+from shardwise.run.api import optimizer_factory, prepare
 from shardwise.comm.autograd import shard_range, split_sizes, vocab_parallel_cross_entropy
 from shardwise.comm.collectives import Comm
 from shardwise.data import build_data
@@ -27,7 +27,7 @@ from shardwise.mesh import Mesh
 from shardwise.models import build_model, loss_for
 from shardwise.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
                                        VocabParallelEmbedding)
-from shardwise.runtime import init_runtime
+from shardwise.run.runtime import init_runtime
 
 pytestmark = pytest.mark.timeout(300)
 RTOL, ATOL = 1e-5, 1e-5

@@ -16,8 +16,8 @@ import torch
 from harness import assert_close_runs, run_world
 from reference import ATOL, RTOL, single_run, tiny_config
 from shardwise.config import DataConfig, MemoryConfig, TrainConfig
-from shardwise.runtime import init_runtime
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.run.train import train
 
 pytestmark = pytest.mark.timeout(300)
 WHY = "fp32 reduce-scatter sums in another order than one process's backward"

@@ -22,8 +22,8 @@ import pytest
 
 from harness import run_world
 from reference import tiny_config
-from shardwise.runtime import init_runtime
-from shardwise.train import train
+from shardwise.run.runtime import init_runtime
+from shardwise.run.train import train
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,12 +9,13 @@ from dataclasses import replace
 import pytest
 
 from reference import tiny_config
-from shardwise import autoplan, launch
+from shardwise.launch import auto as autoplan
+from shardwise.launch import torchrun as launch
 from shardwise.cli import parse_config
 from shardwise.models import build_model
 from shardwise.planner import Layout
 from shardwise.planner.layout import KINDS
-from shardwise.validate import validate
+from shardwise.run.validate import validate
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -73,7 +73,7 @@ def test_oversubscribed_ranks_absorb_the_bubble():
 
 
 def test_a_calibration_hands_its_overhead_and_lanes_to_the_planner(monkeypatch):
-    from shardwise import autoplan
+    from shardwise.launch import auto as autoplan
     rank = autoplan.Compute(1, 8e10, 7e10, 0.0, 2e10)
     cal = autoplan.Calibration("cpu", 2, rank, rank, 1e9, 2e-4, 16 * 2**30, 0.0, 3.5e-3)
     monkeypatch.setattr("os.cpu_count", lambda: 2)
@@ -135,7 +135,7 @@ def test_a_same_host_allreduce_path_speeds_only_the_allreduce():
 
 
 def test_a_calibration_hands_the_shared_memory_rate_to_multi_process_hardware():
-    from shardwise import autoplan
+    from shardwise.launch import auto as autoplan
     rank = autoplan.Compute(1, 8e10, 7e10, 0.0, 2e10)
     cal = autoplan.Calibration("cpu", 2, rank, rank, 1e9, 2e-4, 16 * 2**30, 0.0, 1e-3, 2.5e9)
     assert cal.hardware(2).allreduce_bw == 2.5e9 and cal.hardware(2).intra_bw == 1e9
@@ -165,7 +165,7 @@ def test_on_a_cpu_an_offloaded_step_is_no_faster_than_the_device_step():
     """On a CPU the host is the device: a calibration gives the offloaded optimizer step the
     measured optimizer rate too, so offloading can only add copies (before, a slow measured
     optimizer made offload=cpu look faster than stepping in place)."""
-    from shardwise import autoplan
+    from shardwise.launch import auto as autoplan
     rank = autoplan.Compute(1, 8e10, 7e10, 0.0, 2e10, optimizer_bw=1e9)
     hw = autoplan.Calibration("cpu", 1, rank, rank, 0.0, 0.0, 16 * 2**30, 0.0).hardware(1)
     assert hw.optimizer_bw == hw.host_mem_bw == 1e9

@@ -142,7 +142,7 @@ def test_validation_models_dp_replicas_at_once_and_ps_workers_on_their_cores(mon
     replicas run at once, one per core (not one after the other); the parameter server's
     workers compute with a calibration of their own count while its links stay the world's."""
     from dataclasses import replace
-    from shardwise import autoplan
+    from shardwise.launch import auto as autoplan
     from shardwise.bench.harness import gpt_bench_config
     from shardwise.bench import validate_planner as vp
     hw = Hardware.custom(nodes=1, devices_per_node=1, memory_bytes=8 * 2**30, peak_flops=1e11,

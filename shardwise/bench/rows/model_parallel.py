@@ -137,9 +137,9 @@ def dtensor_tp(rank, world, **_):
 
 def bubble_table(rank, world):
     """Measured bubble (median of 3 steps) vs the formula, p = 2 (dp = 2) and p = 4, m = 1..8."""
-    from shardwise.api import optimizer_factory, prepare
+    from shardwise.run.api import optimizer_factory, prepare
     from shardwise.models import loss_for
-    from shardwise.runtime import init_runtime
+    from shardwise.run.runtime import init_runtime
     threads_for(world)
     table, rate = [], None
     for p in (2, 4):

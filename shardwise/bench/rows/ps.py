@@ -26,8 +26,8 @@ def _cfg(strategy, steps=STEPS, **parallel):
 
 
 def ps_run(rank, world, steps=STEPS, **parallel):
-    from shardwise.runtime import init_runtime
-    from shardwise.train import train
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
     threads_for(world)
     cfg = _cfg("ps", steps, **parallel)
     rt = init_runtime(cfg)

@@ -16,7 +16,7 @@ same settings; only ``find_unused`` differs.
 from __future__ import annotations
 
 from shardwise.config import Config, ConfigError
-from shardwise.presets import DATA_MODEL as COMPOSED
+from shardwise.parallel.presets import DATA_MODEL as COMPOSED
 
 
 def reads(cfg: Config, stage: int) -> dict[str, bool]:

@@ -1,6 +1,6 @@
 """The pipeline's own settings, checked before launch: which ones a layout reads (``reads``) and
 whether their values can run (``check``). Pure: imports only the config, so the launcher runs it
-before any process starts (shardwise/validate.py collects every component's checks).
+before any process starts (shardwise/run/validate.py collects every component's checks).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Everything comes from the run directory ``DIR`` that ``shardwise train`` wrote:
     ``train.device``. The model and the tokens live there; each step's logits come back to
     the CPU to pick the next token;
   * the weights: ``final.safetensors`` (the plain model after the last step, written by
-    shardwise/train.py in every layout), else the latest checkpoint of the run's
+    shardwise/run/train.py in every layout), else the latest checkpoint of the run's
     ``--checkpoint-dir``, exported to the plain state dict (shardwise/checkpoint/tools.py; any
     layout, resharded);
   * the tokenizer: ``bytes`` (the default and ``--dataset stdlib``), or the run directory's copy
@@ -41,7 +41,7 @@ import time
 
 from shardwise.config import ConfigError
 
-FINAL = "final.safetensors"           # shardwise/train.py's FINAL_WEIGHTS (no torch import here)
+FINAL = "final.safetensors"           # shardwise/run/train.py's FINAL_WEIGHTS (no torch import here)
 MODELS = ("gpt", "hf:gpt2", "hf:llama")
 DEVICES = ("auto", "cpu", "cuda")     # train.device's choices
 BATCH_ROWS = 32                       # prompts of one length decoded together, at most
@@ -102,7 +102,7 @@ def load_run(folder: str):
     """The run's resolved Config; refused when the folder or its config.json is missing, or
     the model is not a language model generate knows."""
     from shardwise.config import from_dict
-    from shardwise.rundir import CONFIG_FILE
+    from shardwise.config.rundir import CONFIG_FILE
     if not os.path.isdir(folder):
         raise ConfigError("--run", folder, "is not a directory", "give a run directory "
                           "'shardwise train' wrote (<out_dir>/<run_name>, printed at its end)")

@@ -1,6 +1,6 @@
 """``shardwise train --strategy auto``: measure this machine, ask the planner, run its choice.
 
-Calibration lives in :mod:`shardwise.calibrate`. Then :func:`choose` plans the GPT on
+Calibration lives in :mod:`shardwise.launch.calibrate`. Then :func:`choose` plans the GPT on
 ``Hardware.custom(...)`` for the local process count and for one process, keeps the fastest
 layout that shardwise can run (its strategy is installed and imports, and the resulting config
 validates), and converts it into the config: strategy, dp / tp / pp, schedule,
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shardwise.calibrate import (Calibration, Compute, batch_of, calibrate,  # noqa: F401
+from shardwise.launch.calibrate import (Calibration, Compute, batch_of, calibrate,  # noqa: F401
                                  measure_compute, model_spec, processes)
 from shardwise.config import Config, ConfigError, flag_of, section_fields
 from shardwise.planner import Estimate, Layout, Plan, PlanError, plan
@@ -66,7 +66,7 @@ def flags(changes: dict) -> list[str]:
 def why_not_runnable(layout: Layout, cfg: Config) -> str:
     """Empty when shardwise can run ``layout`` for ``cfg``, else the reason."""
     from shardwise.parallel import available, strategy_class
-    from shardwise.validate import validate
+    from shardwise.run.validate import validate
     kind = layout.kind
     if kind not in available():
         return f"strategy {kind} is not in this installation"
@@ -104,7 +104,7 @@ FIXABLE = ("parallel.dp", "parallel.tp", "parallel.pp", "memory.grad_accum", "me
 
 def fixed_by_user(cfg: Config, given) -> dict:
     """{section.field: value} of the FIXABLE settings the person gave (``given(section, name)``:
-    a flag or a config-file key; shardwise/prelaunch.py's ``given``)."""
+    a flag or a config-file key; shardwise/launch/checks.py's ``given``)."""
     out = {}
     for key in FIXABLE:
         section, name = key.split(".")

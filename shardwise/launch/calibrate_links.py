@@ -1,6 +1,6 @@
-"""The links half of the calibration (shardwise/calibrate.py): what a collective costs here.
+"""The links half of the calibration (shardwise/launch/calibrate.py): what a collective costs here.
 
-A forked gloo world of the local process count (``shardwise.testing.run_world``) times:
+A forked gloo world of the local process count (``shardwise.launch.world.run_world``) times:
 
 - ``Comm.all_reduce`` of 1 KiB and 4 MiB (SMALL, LARGE), fitted to the ring's alpha-beta model
   ``2 (N-1) alpha + 2 (N-1)/N K / bw``: ``bw`` is the bus bandwidth (``intra_bw``, what
@@ -82,7 +82,7 @@ def _probe(rank: int, world: int, reps: tuple[int, int], cfg=None, threads: int 
     from shardwise.comm.collectives import Comm
     from shardwise.comm.reducer import Reducer
     from shardwise.mesh import Mesh
-    from shardwise.runtime import spins
+    from shardwise.run.runtime import spins
     torch.set_num_threads(threads)      # what each rank will have, so it waits as training will
     wait = cfg.train.comm_wait if cfg is not None else "auto"
     device = torch.device("cpu")
@@ -152,7 +152,7 @@ def measure_links(world: int, cfg=None, threads: int = 1, compute=None) -> Links
     """The collectives of ``world`` forked CPU ranks (with ``cfg`` and ``compute``, the
     calibration's ``measure_compute``: compute measured in all ranks at once); empty Links for
     one process."""
-    from shardwise.testing import run_world
+    from shardwise.launch.world import run_world
     if world < 2:
         return Links()
     per_rank = run_world(_probe, world, (30, 10), cfg, threads, compute, timeout=180)

@@ -10,7 +10,7 @@
   process with all threads, for the one-process alternative;
 - memory bandwidth (a large copy), and the configured optimizer's step on the model (PyTorch's
   CPU AdamW reaches about half the copy's rate here), for the planner's optimizer step;
-- the links (shardwise/calibrate_links.py): on CPU, gloo's allreduce, the shared-memory
+- the links (shardwise/launch/calibrate_links.py): on CPU, gloo's allreduce, the shared-memory
   allreduce data parallelism takes where it applies, and what a collective costs after compute
   (``collective_overhead``), in a forked world of the local process count, which also times
   each rank's compute with every rank computing. On CUDA nothing is forked: one GPU has no link,
@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shardwise.calibrate_links import gpu_links, measure_links
+from shardwise.launch.calibrate_links import gpu_links, measure_links
 from shardwise.config import Config, ConfigError
 from shardwise.planner import Batch, Hardware, ModelSpec
 from shardwise.planner.units import fmt_bytes
@@ -220,7 +220,7 @@ def _optimizer_rate(cfg: Config, model: torch.nn.Module, device: torch.device, a
     """Bytes/s of the configured optimizer's step on ``model`` (its gradients are those of the
     timed backwards): the planner's bytes per parameter over the median of 5 steps after the
     one that creates the states."""
-    from shardwise.api import optimizer_factory
+    from shardwise.run.api import optimizer_factory
     from shardwise.planner.cost import optimizer_bytes
     params = [p for p in model.parameters() if p.grad is not None]
     opt = optimizer_factory(cfg)(params)
@@ -231,7 +231,7 @@ def _optimizer_rate(cfg: Config, model: torch.nn.Module, device: torch.device, a
 
 def processes(cfg: Config) -> int:
     """The process count a multi-process strategy gets here (``launch.local_world_size``)."""
-    from shardwise import launch
+    from shardwise.launch import torchrun as launch
     p = replace(cfg.parallel, strategy="ddp", dp=0, tp=1, pp=1)
     return launch.local_world_size(replace(cfg, parallel=p))
 
@@ -239,7 +239,7 @@ def processes(cfg: Config) -> int:
 def calibrate(cfg: Config) -> Calibration:
     """Measure this machine for ``cfg``'s GPT (the allreduce first: it forks, and a process
     should fork before its compute threads have run)."""
-    from shardwise.runtime import pick_device
+    from shardwise.run.runtime import pick_device
     t0 = time.perf_counter()
     n = processes(cfg)
     device = pick_device(cfg.train.device, 0)

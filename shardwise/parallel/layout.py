@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardwise.config import Config, ConfigError
-from shardwise.presets import DATA_MODEL, PRESETS, zero_stage  # noqa: F401 (re-exported)
+from shardwise.parallel.presets import DATA_MODEL, PRESETS, zero_stage  # noqa: F401 (re-exported)
 from shardwise.memory import checks as memory_checks
 from shardwise.parallel import dp_checks, ps_checks, tensor_checks
 from shardwise.parallel.data import checks as data_checks

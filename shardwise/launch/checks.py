@@ -27,7 +27,7 @@ def resume_after_restart(cfg: Config) -> Config:
     0) with a checkpoint folder: ``train.resume`` when the folder holds a complete checkpoint
     (the refusal of a fresh run into a used folder is for people, not for restarts), else the
     config as it is (no save was published: the run starts over from step 0)."""
-    from shardwise import launch
+    from shardwise.launch import torchrun as launch
     from shardwise.checkpoint import store
     folder = store.latest(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
     if not launch.restart_count() or folder is None:
@@ -64,7 +64,7 @@ def resolve_model_data(cfg: Config, args: argparse.Namespace, world: int) -> Con
     one that is too small is refused); a --hf-weights checkpoint's tensors against the model."""
     from dataclasses import replace
     from shardwise.models import configured_vocab, hf
-    from shardwise.validate import validate
+    from shardwise.run.validate import validate
     before, given_vocab = cfg, given(args, "model", "vocab_size")
     fixed = configured_vocab(cfg.model)
     if fixed is not None:
@@ -90,7 +90,7 @@ def keep_tokenizer(cfg: Config, folder: str) -> None:
 
 def check_extras(cfg: Config) -> None:
     """Optional packages a setting needs, checked before any process starts."""
-    from shardwise.extras import require
+    from shardwise.config.extras import require
     if cfg.logging.tensorboard:
         require("tensorboard", "tensorboard", "logging.tensorboard")
 

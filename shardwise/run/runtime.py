@@ -122,7 +122,7 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
     elif dist.is_initialized():
         backend = dist.get_backend()
     if mesh_sizes is None:
-        from shardwise.presets import resolve_dp
+        from shardwise.parallel.presets import resolve_dp
         p = cfg.parallel
         mesh_sizes = (1, world_size, 1) if p.strategy == "ps" else (p.pp, resolve_dp(cfg, world_size), p.tp)
     mesh = Mesh.build(*mesh_sizes)

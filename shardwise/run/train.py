@@ -3,9 +3,9 @@
 Per step: learning rate from the schedule -> this process's shard of the global batch ->
 ``strategy.train_step`` -> metrics. Evaluation every ``eval_every`` steps and at the end.
 Rank 0 shows a progress bar (or a log line every ``log_every`` steps when stdout is not a
-terminal), writes ``metrics.jsonl`` (the mean over each logging window; shardwise/runlog.py) and
+terminal), writes ``metrics.jsonl`` (the mean over each logging window; shardwise/run/runlog.py) and
 ``summary.json``, and prints the summary table. SIGINT / SIGTERM stop the loop cleanly
-(shardwise/stopping.py). With ``train.checkpoint_dir`` set, the loop saves a checkpoint every
+(shardwise/run/stopping.py). With ``train.checkpoint_dir`` set, the loop saves a checkpoint every
 ``checkpoint_every`` steps, at the end and when stopped (the stop is taken at the next step
 boundary, after the save: checkpoint/stop.py), and ``train.resume`` continues from the latest
 one (a token run also leaves the plain model's weights as ``final.safetensors``, for ``shardwise
@@ -30,19 +30,21 @@ import torch
 from dataclasses import replace
 
 from shardwise import checkpoint
-from shardwise.api import Engine, optimizer_factory, prepare
+from shardwise.run.api import Engine, optimizer_factory, prepare
 from shardwise.checkpoint.checks import check as check_checkpoint
-from shardwise.checkpoint.stop import DeferredStop
+from shardwise.run.deferred_stop import DeferredStop
 from shardwise.comm.collectives import CollectiveError
 from shardwise.config import Config, to_dict
 from shardwise.data import build_data
-from shardwise.layout import describe
-from shardwise import memreport, rundir, stopping
-from shardwise.metrics import device_peak_flops, peak_memory_bytes, print_summary
+from shardwise.parallel.layout import describe
+from shardwise.run import memreport
+from shardwise.config import rundir
+from shardwise.run import stopping
+from shardwise.run.metrics import device_peak_flops, peak_memory_bytes, print_summary
 from shardwise.models import build_model, loss_for
-from shardwise.runlog import RunLog, Window, strict_tree
-from shardwise.runtime import Runtime, init_runtime
-from shardwise.stopping import Stopped
+from shardwise.run.runlog import RunLog, Window, strict_tree
+from shardwise.run.runtime import Runtime, init_runtime
+from shardwise.run.stopping import Stopped
 
 IMAGE_SETS = ("digits", "mnist", "fashion-mnist")    # the other datasets are token streams
 FINAL_WEIGHTS = "final.safetensors"                  # the plain model at the end (token runs)

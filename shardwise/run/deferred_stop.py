@@ -1,7 +1,7 @@
 """A stop that saves first: with checkpointing on, SIGINT / SIGTERM end the run at a step boundary
 with a checkpoint of that step.
 
-shardwise/stopping.py's handler raises :class:`~shardwise.stopping.Stopped` at once, wherever
+shardwise/run/stopping.py's handler raises :class:`~shardwise.run.stopping.Stopped` at once, wherever
 the rank is (inside a collective, half-way through an optimizer step): no state to save there.
 Inside :class:`DeferredStop` the signal is only recorded; after each step the ranks agree on
 whether any rank was asked to stop (one scalar all-reduce over the world, on the run's
@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from shardwise.stopping import Stopped
+from shardwise.run.stopping import Stopped
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

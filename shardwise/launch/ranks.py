@@ -1,5 +1,5 @@
 """The training run itself, once ``shardwise train`` has checked everything (shardwise/cli.py,
-shardwise/prelaunch.py): in this process for a world of one, or as one rank of a world a launcher
+shardwise/launch/checks.py): in this process for a world of one, or as one rank of a world a launcher
 started. Each ends with one line for what a person can fix (a stop, a non-finite loss, out of
 memory or disk, a peer that stalled or died) and a traceback for anything else.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from shardwise.config import Config, ConfigError
-from shardwise.prelaunch import error, keep_tokenizer, restart_step, warn_emulated
+from shardwise.launch.checks import error, keep_tokenizer, restart_step, warn_emulated
 
 
 NON_FINITE_EXIT = 1     # the loss turned nan / inf (train.NonFiniteLoss), as any failed run
@@ -46,10 +46,10 @@ def resource_error(exc: BaseException, cfg: Config) -> str | None:
 
 def train_here(cfg: Config, folder: str) -> int:
     """A world of one, in this process: a stop prints one line and returns 128 + signal."""
-    from shardwise import stopping
-    from shardwise.runtime import init_runtime, shutdown
-    from shardwise.train import train
-    from shardwise.train import NonFiniteLoss
+    from shardwise.run import stopping
+    from shardwise.run.runtime import init_runtime, shutdown
+    from shardwise.run.train import train
+    from shardwise.run.train import NonFiniteLoss
     stopping.install_handlers()
     rt = init_runtime(cfg)
     try:
@@ -78,10 +78,12 @@ def train_rank(cfg: Config) -> int:
     leaves with os._exit so that the backend's teardown at interpreter exit (gloo in torch 2.13
     aborts in about 1 of 8 worlds) cannot turn a finished run into a failure."""
     import os
-    from shardwise import launch, rundir, stopping
-    from shardwise.runtime import init_runtime, shutdown
+    from shardwise.launch import torchrun as launch
+    from shardwise.config import rundir
+    from shardwise.run import stopping
+    from shardwise.run.runtime import init_runtime, shutdown
     from shardwise.comm.collectives import CollectiveError
-    from shardwise.train import NonFiniteLoss, train
+    from shardwise.run.train import NonFiniteLoss, train
     request = stopping.install_handlers()
     stopping.watch_parent()
     ours = os.environ.get("SHARDWISE_RUN_DIR")   # set by our launcher: the folder is made
@@ -133,11 +135,11 @@ def train_rank(cfg: Config) -> int:
 
 def agree_on_run(cfg: Config, rt) -> Config:
     """Under someone else's launcher: rank 0 names and makes the run directory, all ranks use it."""
-    from shardwise import rundir
+    from shardwise.config import rundir
     fixed = None
     if rt.is_main:
         try:
-            from shardwise.launch import restart_count
+            from shardwise.launch.torchrun import restart_count
             # a restarted world keeps its first attempt's --run-name folder (metrics: launch.py)
             fixed = cfg if restart_count() and cfg.logging.run_name else rundir.name_run(cfg)
             keep_tokenizer(fixed, rundir.create(fixed))

@@ -26,9 +26,9 @@ import sys
 import threading
 import time
 
-from shardwise import stopping
+from shardwise.run import stopping
 from shardwise.config import Config, ConfigError
-from shardwise.presets import SINGLE_PROCESS
+from shardwise.parallel.presets import SINGLE_PROCESS
 
 
 def under_launcher() -> bool:

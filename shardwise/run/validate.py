@@ -1,9 +1,9 @@
 """Check a Config against itself and the world it will run in, before anything starts.
 
 Here: the cross-cutting checks (choices, finite and positive numbers, model x data, the mesh
-and batch sizes, accumulation, devices); where the run writes: shardwise/writable.py; the data
+and batch sizes, accumulation, devices); where the run writes: shardwise/config/writable.py; the data
 settings: shardwise/data/checks.py. Each parallel component checks its own settings (parallel/data/checks.py, parallel/pipeline/checks.py, parallel/ps_checks.py,
-parallel/dp_checks.py, parallel/tensor_checks.py), collected by shardwise/layout.py, which also
+parallel/dp_checks.py, parallel/tensor_checks.py), collected by shardwise/parallel/layout.py, which also
 says which settings each layout reads (check_ignored below).
 
 Each check raises :class:`~shardwise.config.ConfigError` naming the field, the value and the fix.
@@ -16,15 +16,17 @@ import math
 import os
 import sys
 
-from shardwise import layout, rundir
+from shardwise.parallel import layout
+
+from shardwise.config import rundir
 from shardwise.config import (Config, ConfigError, MemoryConfig, ModelConfig, ParallelConfig,
                               section_fields)
 
-from shardwise.presets import SINGLE_PROCESS, resolve_dp  # noqa: F401 (re-exported)
+from shardwise.parallel.presets import SINGLE_PROCESS, resolve_dp  # noqa: F401 (re-exported)
 from shardwise.parallel.pipeline import checks as pipeline_checks
 from shardwise.models import hf as hf_model
 from shardwise.models import user as user_model
-from shardwise.writable import check_picture, check_writable
+from shardwise.config.writable import check_picture, check_writable
 from shardwise.data import checks as data_checks
 
 
@@ -72,7 +74,7 @@ def _numbers(cfg: Config) -> None:
 
 def check_ignored(cfg: Config, args=None, world_size: int | None = None) -> None:
     """Refuse a setting the chosen layout would not read (DESIGN.md: never silently dropped);
-    which layout reads what: shardwise/layout.py's ``reads``; other settings that only some
+    which layout reads what: shardwise/parallel/layout.py's ``reads``; other settings that only some
     runs read: :func:`check_unread`.
 
     Run by ``shardwise train`` on what the person typed or wrote in a config file (``args``:
@@ -340,7 +342,7 @@ def _runtime_checks(cfg: Config, world_size: int) -> None:
 
 def _layout(cfg: Config, world_size: int) -> None:
     """The mesh and the batch: dp x tp x pp = the world, rows that split over dp x grad_accum;
-    then each component's own checks (shardwise/layout.py's ``check_components``)."""
+    then each component's own checks (shardwise/parallel/layout.py's ``check_components``)."""
     p = cfg.parallel
     dp = 1
     if p.strategy not in SINGLE_PROCESS and p.strategy != "ps":

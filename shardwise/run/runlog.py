@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from shardwise.metrics import human_bytes
+from shardwise.run.metrics import human_bytes
 
 CSV_FIELDS = ("step", "loss", "lr", "step_seconds", "items_per_second", "mfu", "val_loss",
               "val_accuracy", "max_peak_memory", "max_bytes_sent")
@@ -136,7 +136,7 @@ class RunLog:
             self._csv = csv.DictWriter(self._csv_fh, fieldnames=CSV_FIELDS)
             self._csv.writeheader()
         if lg.tensorboard:
-            from shardwise.extras import require
+            from shardwise.config.extras import require
             require("tensorboard", "tensorboard", "--tensorboard")
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(os.path.join(folder, "tensorboard"))

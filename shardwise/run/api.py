@@ -35,12 +35,12 @@ import torch.nn.functional as F
 from shardwise.config import Config
 from shardwise.data import batch as batches
 from shardwise.data.sampler import shard_rows
-from shardwise.layout import resolve
+from shardwise.parallel.layout import resolve
 from shardwise.memory.optim8bit import make_adamw8bit
 from shardwise.parallel.compose import parallelize
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
-from shardwise.runtime import Runtime, init_runtime
-from shardwise.validate import validate
+from shardwise.run.runtime import Runtime, init_runtime
+from shardwise.run.validate import validate
 
 
 def optimizer_factory(cfg: Config) -> OptimizerFactory:
@@ -203,7 +203,7 @@ def prepare(model: nn.Module, optimizer_factory: OptimizerFactory, config: Confi
     """Wrap ``model`` for the config's layout in the launcher's world; build the optimizer.
 
     The layout is ``config.parallel``'s strategy preset, axis sizes and ``zero_stage``
-    (shardwise/layout.py); shardwise/parallel/compose.py applies it in its documented order.
+    (shardwise/parallel/layout.py); shardwise/parallel/compose.py applies it in its documented order.
 
     optimizer_factory: called with the list of the model's trainable parameters (requires_grad;
     frozen ones are never given to an optimizer, so weight decay cannot move them) and returns a

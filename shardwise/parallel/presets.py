@@ -1,6 +1,6 @@
 """The layout facts every layer may read: which strategy names are presets of (zero stage, tp,
 pp), which run as one process, the stage a config asks for, and the dp size a world leaves.
-Pure (imports the config only); shardwise/layout.py resolves and checks a layout with them.
+Pure (imports the config only); shardwise/parallel/layout.py resolves and checks a layout with them.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ import torch
 
 from shardwise.config import Config
 from shardwise.memory.checkpointing import checkpointing_off
-from shardwise.metrics import human_bytes, peak_memory_bytes
+from shardwise.run.metrics import human_bytes, peak_memory_bytes
 
 STATE_CATEGORIES = ("gradients", "optimizer_states", "master_weights")
 
