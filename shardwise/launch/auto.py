@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from shardwise.launch.calibrate import (Calibration, Compute, batch_of, calibrate,  # noqa: F401
                                  measure_compute, model_spec, processes)
 from shardwise.config import Config, ConfigError, flag_of, section_fields
-from shardwise.planner import Estimate, Layout, Plan, PlanError, plan
+from shardwise.planner import Estimate, Layout, Ranking, PlanError, plan
 from shardwise.planner.units import fmt_bytes, fmt_seconds
 
 
@@ -92,7 +92,7 @@ class Choice:
     config: Config
     flags: list[str]
     estimate: Estimate
-    plan: Plan
+    plan: Ranking
     calibration: Calibration
     alternatives: dict
     """{processes: the best runnable estimate on that many processes (or None)}."""
@@ -119,7 +119,7 @@ def _keeps(layout: Layout, cfg: Config, fixed: dict) -> bool:
     return all(changes.get(key, value) == value for key, value in fixed.items())
 
 
-def _best_runnable(p: Plan, cfg: Config, fixed: dict | None = None) -> Estimate | None:
+def _best_runnable(p: Ranking, cfg: Config, fixed: dict | None = None) -> Estimate | None:
     return next((e for e in p.ranked if _keeps(e.layout, cfg, fixed or {})
                  and not why_not_runnable(e.layout, cfg)), None)
 
@@ -135,7 +135,7 @@ def choose(cfg: Config, calibration: Calibration | None = None, say=print,
     say("auto: " + cal.describe().replace("\n", "\nauto: "))
     if fixed:
         say("auto: keeping what you set: " + " ".join(flags(fixed)))
-    found: dict[int, tuple[Plan, Estimate | None]] = {}
+    found: dict[int, tuple[Ranking, Estimate | None]] = {}
     for n in sorted({cal.processes, 1}, reverse=True):
         try:
             p = plan(spec, cal.hardware(n), batch)

@@ -19,7 +19,7 @@ from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Batch, Layout
 from shardwise.planner.model import PRESETS, ModelSpec, parse_model
-from shardwise.planner.search import Plan, plan
+from shardwise.planner.search import Ranking, plan
 
-__all__ = ["Batch", "Estimate", "Hardware", "Layout", "ModelSpec", "PRESETS", "Plan",
+__all__ = ["Batch", "Estimate", "Hardware", "Layout", "ModelSpec", "PRESETS", "Ranking",
            "PlanError", "estimate", "parse_model", "plan"]

@@ -11,11 +11,11 @@ from typing import TextIO
 from shardwise.planner.cost import Estimate
 from shardwise.planner.explain import why_lost
 from shardwise.planner.model import PUBLISHED
-from shardwise.planner.search import Plan
+from shardwise.planner.search import Ranking
 from shardwise.planner.units import fmt_bytes, fmt_count, fmt_seconds
 
 
-def train_line(plan: Plan, tokens: float) -> str:
+def train_line(plan: Ranking, tokens: float) -> str:
     """``Estimated time to train on 3e+11 tokens: 26.1 days (...)``, or why there is none."""
     w = plan.winner
     if w is None:
@@ -28,13 +28,13 @@ def train_line(plan: Plan, tokens: float) -> str:
             f" on {plan.hardware.world_size} x {plan.hardware.name}.")
 
 
-def _others(plan: Plan, top: int) -> list[Estimate]:
+def _others(plan: Ranking, top: int) -> list[Estimate]:
     """The best layout of each kind that the top rows do not already show."""
     shown = {e.layout.kind for e in plan.ranked[:top]}
     return [e for kind, e in plan.per_kind.items() if kind not in shown]
 
 
-def verdict(e: Estimate, plan: Plan) -> str | None:
+def verdict(e: Estimate, plan: Ranking) -> str | None:
     """None for the winner; a tie's step time against the winner's; else why it lost."""
     w = plan.winner
     if e is w:
@@ -47,7 +47,7 @@ def verdict(e: Estimate, plan: Plan) -> str | None:
     return why_lost(e, w)
 
 
-def published_note(plan: Plan) -> str:
+def published_note(plan: Ranking) -> str:
     """A line when the winner's recomputation differs from the published run of the model."""
     run = PUBLISHED.get(plan.model.name)
     w = plan.winner
@@ -57,7 +57,7 @@ def published_note(plan: Plan) -> str:
             f"{plan.model.name} used {run[0]} recompute ({run[1]}).")
 
 
-def _row(e: Estimate, plan: Plan, tokens: float, label: str) -> list[str]:
+def _row(e: Estimate, plan: Ranking, tokens: float, label: str) -> list[str]:
     verdict_text = verdict(e, plan) or "winner"
     fits = e.fits
     return [label, e.layout.describe(),
@@ -73,7 +73,7 @@ HEADERS = ("#", "layout", "memory / device", "step", "exposed comm", "bubble", "
            "time to train", "why not first")
 
 
-def print_table(plan: Plan, top: int, tokens: float, out: TextIO | None = None) -> None:
+def print_table(plan: Ranking, top: int, tokens: float, out: TextIO | None = None) -> None:
     """The ranked layouts, the best of the other kinds, the verdict and the time to train."""
     from rich.console import Console
     from rich.table import Table
@@ -104,7 +104,7 @@ def print_table(plan: Plan, top: int, tokens: float, out: TextIO | None = None) 
         console.print(published_note(plan), highlight=False)
 
 
-def to_json(plan: Plan, top: int, tokens: float) -> str:
+def to_json(plan: Ranking, top: int, tokens: float) -> str:
     """The plan as JSON: inputs, verdict, winner, top rows and the other kinds' best."""
     w = plan.winner
 

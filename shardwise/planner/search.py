@@ -31,7 +31,7 @@ from shardwise.planner.model import ModelSpec
 
 
 @dataclass(frozen=True)
-class Plan:
+class Ranking:
     """The planner's answer for one model, machine and batch."""
 
     model: ModelSpec
@@ -167,7 +167,7 @@ def fits_one_device(model: ModelSpec, hw: Hardware, batch: Batch) -> bool:
 
 
 def plan(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | None = None,
-         everything: bool = False, band: float = TIE_BAND) -> Plan:
+         everything: bool = False, band: float = TIE_BAND) -> Ranking:
     """Rank every valid layout of ``model`` on ``hw`` for ``batch``; explain the winner.
     ``everything``: also the techniques ``shardwise train`` does not run (module docstring);
     ``band``: the relative step-time difference under which layouts tie."""
@@ -199,6 +199,6 @@ def plan(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | None =
                   key=lambda e: e.memory_total, default=None)
     ranked = tuple(best.values())
     text = explain(rule, ranked[0] if ranked else None, guide_best, closest)
-    return Plan(model=model, hardware=hw, batch=batch, ranked=ranked,
+    return Ranking(model=model, hardware=hw, batch=batch, ranked=ranked,
                 ties=sum(id(e) in tie_ids for e in ranked), band=band, per_kind=per_kind,
                 guide=rule, guide_best=guide_best, explanation=text)

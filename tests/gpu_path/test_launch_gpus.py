@@ -192,7 +192,7 @@ def test_a_world_someone_else_started(monkeypatch):
 def test_real_process_exit_code_and_no_traceback(tmp_path):
     """The refusal from a real ``python -m shardwise.cli`` process: code 2, one stderr line,
     nothing launched (the one-GPU host simulated before the CLI runs)."""
-    code = ("import sys, torch; from shardwise import launch; "
+    code = ("import sys, torch; from shardwise.launch import torchrun as launch; "
             "launch.gpu_count = lambda: 1; torch.cuda.is_available = lambda: True; "
             "torch.cuda.device_count = lambda: 1; from shardwise.cli import main; "
             f"sys.exit(main(['train', '--nproc-per-node', '2', '--device', 'cuda', "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 
-STAGES = {
+ZERO_STAGES = {
     0: "shardwise.parallel.data.ddp:DDPStrategy",
     1: "shardwise.parallel.data.zero:Zero1Strategy",
     2: "shardwise.parallel.data.zero:Zero2Strategy",
@@ -27,5 +27,5 @@ STAGES = {
 
 def stage_class(stage: int):
     """The data-parallel Strategy class of ZeRO ``stage`` (0 = DDP)."""
-    module, cls = STAGES[stage].split(":")
+    module, cls = ZERO_STAGES[stage].split(":")
     return getattr(importlib.import_module(module), cls)
