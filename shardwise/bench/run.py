@@ -216,12 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     dirty()          # the tree as it was before this run writes any result (cached)
     rows = all_rows()
     if args.list:
-        for name, (family, row) in rows.items():
-            mark = " [quick]" if name in QUICK else ""
-            print(f"{family:14s} {name:32s} world={row.world} peer={row.peer_name or '-'} "
-                  f"goal={row.goal}{mark}")
-        print(f"{'gpu':14s} {'gpu-single':32s} world=1 (CUDA machines only; shardwise/bench/gpu.py)")
-        return 0
+        return _list(rows)
     if args.save and args.out:
         return _refuse("--save and --out both given; fix: use one of them")
     reps = args.reps if args.reps is not None else (QUICK_REPS if args.quick else 3)
@@ -248,20 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     failed = []
     for row in chosen:
-        try:
-            result = run_row(row, reps, quick=args.quick)
-        except (RuntimeError, TimeoutError) as exc:     # a rank failed: say so, go on
+        if not _run_and_write(row, reps, args.quick, out_dir):
             failed.append(row.name)
-            print(f"{row.name}: failed, no result written: {_last_error(exc)}", file=sys.stderr,
-                  flush=True)
-            continue
-        with open(os.path.join(out_dir, f"{row.name}.json"), "w") as fh:
-            json.dump(result, fh, indent=2)
-        ratio = result.get("throughput_ratio")
-        print(f"{row.name}: ours {result['ours']['items_per_s']:,.0f}/s"
-              + (f", {row.peer_name} {result['peer_result']['items_per_s']:,.0f}/s, ratio {ratio:.3f}"
-                 if ratio else "") + (f" (goal: {row.goal})" if row.goal else "")
-              + f" [{result['seconds']:.0f} s]", flush=True)
     gpu = None
     if not patterns or gpu_asked:
         from shardwise.bench.gpu import run_gpu_part
@@ -277,6 +260,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _list(rows) -> int:
+    for name, (family, row) in rows.items():
+        mark = " [quick]" if name in QUICK else ""
+        print(f"{family:14s} {name:32s} world={row.world} peer={row.peer_name or '-'} "
+              f"goal={row.goal}{mark}")
+    print(f"{'gpu':14s} {'gpu-single':32s} world=1 (CUDA machines only; shardwise/bench/gpu.py)")
+    return 0
+
+
+def _run_and_write(row, reps: int, quick: bool, out_dir: str) -> bool:
+    """Run one row, write ``<row>.json`` and print its line; False (and one line) if a rank
+    failed, so the other rows still run."""
+    try:
+        result = run_row(row, reps, quick=quick)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"{row.name}: failed, no result written: {_last_error(exc)}", file=sys.stderr,
+              flush=True)
+        return False
+    with open(os.path.join(out_dir, f"{row.name}.json"), "w") as fh:
+        json.dump(result, fh, indent=2)
+    ratio = result.get("throughput_ratio")
+    print(f"{row.name}: ours {result['ours']['items_per_s']:,.0f}/s"
+          + (f", {row.peer_name} {result['peer_result']['items_per_s']:,.0f}/s, ratio {ratio:.3f}"
+             if ratio else "") + (f" (goal: {row.goal})" if row.goal else "")
+          + f" [{result['seconds']:.0f} s]", flush=True)
+    return True
 
 
 def _last_error(exc: BaseException) -> str:

@@ -117,15 +117,7 @@ def prepare(data_path: str, spec: str, cache_dir: str = "", timeout: float = 300
     given, on a tokenizer with more tokens, as soon as it is known (before a long
     tokenization; a trained BPE stays cached). A folder that ``save_to_disk`` wrote is a
     Hugging Face dataset: its ``text_column`` is the corpus (hf_datasets.py)."""
-    files = textfiles.find_files(data_path)
-    if not files:
-        raise ConfigError("data.data_path", data_path, "matches no file", "give a text file, a "
-                          "directory of them, or a glob such as 'corpus/*.txt' (quoted)")
-    saved = hf_datasets.is_saved(data_path)
-    if not saved and text_column != "text":
-        raise ConfigError("data.text_column", text_column, f"only a Hugging Face dataset saved "
-                          f"to disk has columns, and {data_path} is not one", "drop "
-                          "--text-column, or point --data-path at a save_to_disk folder")
+    files, saved = _corpus_files(data_path, text_column)
     try:
         folder = folder_for(files, spec, cache_dir, text_column if saved else None)
     except (ValueError, OSError) as exc:
@@ -160,6 +152,20 @@ def prepare(data_path: str, spec: str, cache_dir: str = "", timeout: float = 300
         except textfiles.NotUTF8 as exc:
             raise ConfigError("data.data_path", data_path, str(exc), "convert that file to "
                               "UTF-8, or leave it out of --data-path") from None
+
+
+def _corpus_files(data_path: str, text_column: str) -> tuple[list[str], bool]:
+    """The corpus's files, and whether it is a Hugging Face dataset saved to disk."""
+    files = textfiles.find_files(data_path)
+    if not files:
+        raise ConfigError("data.data_path", data_path, "matches no file", "give a text file, a "
+                          "directory of them, or a glob such as 'corpus/*.txt' (quoted)")
+    saved = hf_datasets.is_saved(data_path)
+    if not saved and text_column != "text":
+        raise ConfigError("data.text_column", text_column, f"only a Hugging Face dataset saved "
+                          f"to disk has columns, and {data_path} is not one", "drop "
+                          "--text-column, or point --data-path at a save_to_disk folder")
+    return files, saved
 
 
 @contextlib.contextmanager

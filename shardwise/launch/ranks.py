@@ -107,13 +107,8 @@ def train_rank(cfg: Config) -> int:
         if request.signum is not None:      # a peer left because we are all stopping
             code = stopping.exit_code(request.signum)
         else:
-            where = f" at step {exc.step}" if exc.step else " before the first step"
-            left = launch.restarts_left()
-            then = f"torchrun restarts the world ({left} restarts left)" if left else "the run stops"
-            print(f"error: rank {rt.rank if rt else '?'}: {exc.op}{where} failed ({exc}); another "
-                  f"rank stalled or died (timeout {cfg.train.collective_timeout:g} s); {then}; "
-                  "fix: look at that rank's output above, or raise --collective-timeout "
-                  "if a step can take that long", file=sys.stderr, flush=True)
+            print(collective_line(exc, rt, cfg, launch.restarts_left()), file=sys.stderr,
+                  flush=True)
             code = 1
     except BaseException as exc:
         stopped = request.signum is not None or isinstance(exc, stopping.Stopped)
@@ -131,6 +126,16 @@ def train_rank(cfg: Config) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def collective_line(exc, rt, cfg: Config, left: int) -> str:
+    """The one line a rank prints when a collective failed: a peer stalled or died."""
+    where = f" at step {exc.step}" if exc.step else " before the first step"
+    then = f"torchrun restarts the world ({left} restarts left)" if left else "the run stops"
+    return (f"error: rank {rt.rank if rt else '?'}: {exc.op}{where} failed ({exc}); another "
+            f"rank stalled or died (timeout {cfg.train.collective_timeout:g} s); {then}; "
+            "fix: look at that rank's output above, or raise --collective-timeout "
+            "if a step can take that long")
 
 
 def agree_on_run(cfg: Config, rt) -> Config:

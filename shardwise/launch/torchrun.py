@@ -202,17 +202,8 @@ def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False,
     if not quiet:
         shown = ["torchrun", *cmd[3:]]
         print("launching:", " ".join(shlex.quote(c) for c in shown), flush=True)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per rank: ranks share the cores
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env["SHARDWISE_RUN_DIR"] = run_dir       # the ranks' run directory is prepared already
-    if max_restarts:
-        # torchrun shares its rendezvous store with the ranks by default, and a restarted
-        # world then reads the dead world's addresses from it: gloo's connectFullMesh dials a
-        # closed port and the restart hangs or fails (pytorch/pytorch#135712; seen here about
-        # one restart in two). With sharing off, each attempt's rank 0 serves a fresh store.
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
+    proc = subprocess.Popen(cmd, env=_ranks_env(run_dir, max_restarts), stderr=subprocess.PIPE,
+                            start_new_session=True,
                             preexec_fn=stopping.die_with_parent)
     relay = _StderrRelay(proc.stderr, os.path.join(run_dir, "launcher.log"),
                          divert_on_error=not max_restarts)
@@ -224,20 +215,8 @@ def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False,
             relay.divert()
             _signal_group(proc, signal.SIGTERM)
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    deadline = None
     try:
-        while True:
-            try:
-                rc = proc.wait(timeout=0.25)
-                break
-            except subprocess.TimeoutExpired:
-                # a stop, or a rank that ended the run with an error line: the rest get
-                # GRACE_SECONDS to leave, then torchrun is killed, and with it (parent-death
-                # signal) every rank, a stopped (SIGSTOP) one too
-                if deadline is None and (got or (relay.error_seen and not max_restarts)):
-                    deadline = time.monotonic() + stopping.GRACE_SECONDS
-                if deadline is not None and time.monotonic() > deadline:
-                    _signal_group(proc, signal.SIGKILL)
+        rc = _wait(proc, lambda: bool(got) or (relay.error_seen and not max_restarts))
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -246,6 +225,36 @@ def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False,
         print(stopping.stop_line(run_dir), file=sys.stderr, flush=True)
         return stopping.exit_code(got[0])
     return rc if rc >= 0 else 1        # torchrun killed after a rank's error: the run failed
+
+
+def _ranks_env(run_dir: str, max_restarts: int) -> dict:
+    """The environment torchrun and the ranks start with."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per rank: ranks share the cores
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env["SHARDWISE_RUN_DIR"] = run_dir       # the ranks' run directory is prepared already
+    if max_restarts:
+        # torchrun shares its rendezvous store with the ranks by default, and a restarted
+        # world then reads the dead world's addresses from it: gloo's connectFullMesh dials a
+        # closed port and the restart hangs or fails (pytorch/pytorch#135712; seen here about
+        # one restart in two). With sharing off, each attempt's rank 0 serves a fresh store.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return env
+
+
+def _wait(proc: subprocess.Popen, ending) -> int:
+    """Wait for torchrun. Once ``ending()`` (a stop, or a rank that ended the run with an error
+    line) the rest get GRACE_SECONDS to leave, then torchrun is killed, and with it (parent-death
+    signal) every rank, a stopped (SIGSTOP) one too."""
+    deadline = None
+    while True:
+        try:
+            return proc.wait(timeout=0.25)
+        except subprocess.TimeoutExpired:
+            if deadline is None and ending():
+                deadline = time.monotonic() + stopping.GRACE_SECONDS
+            if deadline is not None and time.monotonic() > deadline:
+                _signal_group(proc, signal.SIGKILL)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

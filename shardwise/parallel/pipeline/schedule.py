@@ -208,6 +208,11 @@ def _cost(a: Action, split: set[int], t_f: float, t_b: float, t_w: float) -> flo
     return t_b - t_w if a.chunk in split else t_b
 
 
+def _step_of_action(grouped: list[list[Action]]) -> dict[int, int]:
+    """One stage's action index -> the index of the step (transfer batch or compute) holding it."""
+    return {k: j for k, j in enumerate(j for j, step in enumerate(grouped) for _ in step)}
+
+
 def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
              t_w: float | None = None, v: int | None = None) -> dict:
     """Run the schedule on an ideal machine (transfers free; sends never wait, as the executor
@@ -221,13 +226,7 @@ def simulate(schedule: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0,
     pairs = _match(schedule, v)
     grouped = [steps(a) for a in schedule]
     splits = [split_chunks(a) for a in schedule]
-    index_of = [{} for _ in range(p)]            # action index -> step index, per stage
-    for s, actions in enumerate(schedule):
-        k = 0
-        for j, step in enumerate(grouped[s]):
-            for _ in step:
-                index_of[s][k] = j
-                k += 1
+    index_of = [_step_of_action(g) for g in grouped]   # action index -> step index, per stage
     pos, clock = [0] * p, [0.0] * p
     arrived: list[dict[int, float]] = [{} for _ in range(p)]   # step index -> time posted
     intervals: list[list] = [[] for _ in range(p)]
