@@ -52,6 +52,7 @@ import sys
 import time
 
 import torch
+from shardwise.bench.peers import same_optimizer
 
 MODEL = {"n_layer": 8, "n_embd": 768, "n_head": 12, "block_size": 128, "vocab_size": 256}
 SIDES = ("ddp", "zero1", "zero2", "zero3", "torch-ddp", "fsdp2")
@@ -118,7 +119,7 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4) -> di
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))
+        opt = same_optimizer(cfg, model.parameters())
         book = TorchLedger(kind, model, opt)
 
         def step():

@@ -19,13 +19,16 @@ def _setup(cfg, rank: int, world: int):
     return data, model
 
 
-def plain_loop_tokens_per_s(cfg, rank: int, world: int, wrap=None, steps: int = 10) -> float:
-    """A textbook loop (forward, loss, backward, AdamW step, zero_grad) around ``wrap(model)``."""
+def plain_loop_tokens_per_s(cfg, rank: int, world: int, wrap=None, steps: int = 10,
+                            torch_defaults: bool = False) -> float:
+    """A textbook loop (forward, loss, backward, AdamW step, zero_grad) around ``wrap(model)``;
+    ``torch_defaults``: ``torch.optim.AdamW(params, lr)`` as a user writes it (torch's own
+    betas, weight decay and implementation: a loop over tensors on CPU) instead of ours."""
     data, model = _setup(cfg, rank, world)
     if wrap is not None:
         model = wrap(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95),
-                            weight_decay=cfg.train.weight_decay)
+    opt = (torch.optim.AdamW(model.parameters(), lr=cfg.train.lr) if torch_defaults
+           else same_optimizer(cfg, model.parameters()))
     state = {"step": 0}
     b = cfg.train.batch_size
 
@@ -57,3 +60,11 @@ def ours_tokens_per_s(cfg, world: int) -> dict:
     steps = s["steps"]
     return {"items_per_s": s["throughput"], "bytes_sent": rt.comm.meter.total().bytes_sent / steps,
             "peak_mem": sum(s["ledger"].values()), "extra": {"ledger": s["ledger"], "comm": s["comm"]}}
+
+
+def same_optimizer(cfg, params):
+    """The optimizer shardwise's side of a row runs (run/api.optimizer_factory: AdamW with the
+    config's lr, betas, weight decay and train.optimizer_kernel), for a PyTorch peer: a row
+    compares the strategies, not two implementations of the optimizer step."""
+    from shardwise.run.api import optimizer_factory
+    return optimizer_factory(cfg)(list(params))

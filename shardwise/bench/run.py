@@ -36,7 +36,7 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 # --quick: every family at least once (single, ddp with world 1/2/4, zero1/2/3 and one 57M memory
 # row, tp, pp, a composed layout, the three ps modes with a straggler, the ring), 2 reps.
-QUICK = ("single-vs-torch", "ddp-vs-torch-ddp-w1", "ddp-vs-torch-ddp", "ddp-vs-torch-ddp-w4",
+QUICK = ("single-vs-torch", "single-defaults-vs-torch-defaults", "ddp-vs-torch-ddp-w1", "ddp-vs-torch-ddp", "ddp-vs-torch-ddp-w4",
          "zero1-vs-torch-zero", "zero2-vs-fsdp2", "zero3-vs-fsdp2", "zero3-memory-57m-vs-fsdp2",
          "mp-tp-vs-dtensor", "mp-pp-1f1b-vs-torch", "compose-zero3-tp-vs-fsdp2-tp",
          "ps-sync-straggler3x", "ps-async-straggler3x", "ps-ssp2-straggler3x", "ring-busbw-w2",

@@ -156,6 +156,11 @@ class TrainConfig:
     lr: float = _f(3e-3, "peak learning rate")
     optimizer: str = _f("adamw", "optimizer (adamw8bit: both Adam moments in 8 bits, "
                         "block-wise scaled)", ("adamw", "adam", "sgd", "adamw8bit"))
+    optimizer_kernel: str = _f("fused", "how adamw / adam / sgd step: fused (one kernel for "
+                               "all tensors where torch has one for the device, cpu and cuda "
+                               "included; 7-9x faster than loop on CPU), foreach (one op per "
+                               "kind over all tensors), loop (one tensor at a time: torch's "
+                               "own default on CPU)", ("fused", "foreach", "loop"))
     weight_decay: float = _f(0.0, "weight decay (AdamW: decoupled)")
     warmup_steps: int = _f(20, "linear learning-rate warmup steps")
     lr_schedule: str = _f("cosine", "after warmup: cosine decay to 10% or constant",

@@ -48,24 +48,35 @@ def optimizer_factory(cfg: Config) -> OptimizerFactory:
     t = cfg.train
 
     def make(params):
-        if t.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=t.lr, weight_decay=t.weight_decay)
         if t.optimizer == "adamw8bit":       # both moments in 8 bits (memory/optim8bit.py)
             return make_adamw8bit(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-        cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
         params = list(params)
-        return cls(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95),
-                   **_fused_on_cuda(params))
+        kernel = optimizer_kernel(params, t.optimizer_kernel)
+        if t.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=t.lr, weight_decay=t.weight_decay, **kernel)
+        cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
+        return cls(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95), **kernel)
     return make
 
 
-def _fused_on_cuda(params: list) -> dict:
-    """``fused=True`` (one kernel for the whole step, PyTorch's fastest Adam) when every
-    parameter is a floating CUDA tensor; elsewhere PyTorch's default (foreach on CPU)."""
+def optimizer_kernel(params: list, kernel: str) -> dict:
+    """The keyword that picks torch's implementation of the step (train.optimizer_kernel).
+
+    ``fused``: one kernel for every tensor (``fused=True``) when all parameters are floating
+    tensors on a device torch has fused kernels for (cpu and cuda among them), else ``foreach``.
+    Fused and loop agree to float rounding (the same formula, element by element); on this
+    CPU fused AdamW stepped the 57M GPT in 41 ms against 370 ms for the loop (torch's CPU
+    default). ``foreach``: one op per kind over all tensors. ``loop``: a tensor at a time."""
+    if kernel == "loop":
+        return {"foreach": False}
+    if kernel == "foreach":
+        return {"foreach": True}
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
     tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
-    on_cuda = bool(tensors) and all(isinstance(p, torch.Tensor) and p.is_cuda and
-                                    p.is_floating_point() for p in tensors)
-    return {"fused": True} if on_cuda else {}
+    fusable = bool(tensors) and all(
+        isinstance(p, torch.Tensor) and p.is_floating_point() and not p.is_sparse
+        and p.device.type in _get_fused_kernels_supported_devices() for p in tensors)
+    return {"fused": True} if fusable else {"foreach": True}
 
 
 class Engine:

@@ -129,6 +129,10 @@ def _unread(cfg: Config, world_size: int | None) -> list[tuple[str, str, str, st
                     f"reads it (the run: {p.strategy}"
                     f"{', ps_mode ' + p.ps_mode if p.strategy == 'ps' else ''})",
                     "drop --on-worker-failure, or use --strategy ps --ps-mode sync"))
+    if t.optimizer == "adamw8bit":
+        out.append(("train", "optimizer_kernel", "adamw8bit steps with its own block-wise "
+                    "kernel (memory/optim8bit.py)", "drop --optimizer-kernel, or use "
+                    "--optimizer adamw"))
     if not t.checkpoint_dir:
         out.append(("train", "keep_checkpoints", "no --checkpoint-dir, so nothing is saved",
                     "drop --keep, or add --checkpoint-dir DIR"))

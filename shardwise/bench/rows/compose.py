@@ -17,6 +17,7 @@ from shardwise.bench.peers import ours_tokens_per_s
 from shardwise.bench.rows.model_parallel import dtensor_block
 from shardwise.data import build_data
 from shardwise.models import build_model, lm_loss
+from shardwise.bench.peers import same_optimizer
 
 STEPS = 10
 
@@ -51,7 +52,7 @@ def fsdp2_dtensor_tp(rank, world, steps=STEPS, **_):
         dtensor_block(block, mesh["tp"], tp, cfg.model.n_embd)
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))
+    opt = same_optimizer(cfg, model.parameters())
     b, state = cfg.train.batch_size, {"step": 0}
     dp_rank = mesh["dp"].get_local_rank()
 

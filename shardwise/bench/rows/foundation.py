@@ -1,4 +1,7 @@
-"""Foundation row: shardwise's loop with the `single` strategy against a plain PyTorch loop."""
+"""Foundation rows: shardwise's loop with the `single` strategy against a plain PyTorch loop,
+on the same optimizer (the loop's own cost), and as a product: ``shardwise train`` with its
+defaults against the loop a user writes with torch's defaults (``torch.optim.AdamW(params, lr)``,
+whose CPU step is a loop over tensors; ours is fused: train.optimizer_kernel)."""
 from shardwise.bench.harness import Row, gpt_bench_config
 from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s
 
@@ -12,6 +15,34 @@ def peer(rank, world, steps):
     return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, steps=steps - 2)}
 
 
+# the memory rows' GPT (8 x 768, 57.0M parameters), batch 4: the optimizer's share grows with it
+GPT_57M = {"n_layer": 8, "n_embd": 768, "n_head": 12, "block_size": 128, "vocab_size": 256}
+
+
+def _config(size: str, steps: int | None = None):
+    train = {"steps": steps} if steps else {}
+    if size == "57m":
+        return gpt_bench_config("single", model=GPT_57M, train={**train, "batch_size": 4})
+    return gpt_bench_config("single", train=train)
+
+
+def ours_sized(rank, world, steps, size="3m"):
+    return ours_tokens_per_s(_config(size, steps), world)
+
+
+def peer_torch_defaults(rank, world, steps, size="3m"):
+    return {"items_per_s": plain_loop_tokens_per_s(_config(size), rank, world, steps=steps - 2,
+                                                   torch_defaults=True)}
+
+
 ROWS = [Row("single-vs-torch", ours, peer, world=1, args={"steps": 14},
             quick_args={"steps": 6},
-            goal="ratio >= 0.98 (the loop costs nothing)", peer_name="plain PyTorch loop")]
+            goal="ratio >= 0.98 (the loop costs nothing)", peer_name="plain PyTorch loop"),
+        Row("single-defaults-vs-torch-defaults", ours_sized, peer_torch_defaults, world=1,
+            args={"steps": 14}, quick_args={"steps": 6},
+            goal="ratio >= 1 + the optimizer step's share of torch's step",
+            peer_name="plain PyTorch loop, torch.optim.AdamW(params, lr)"),
+        Row("single-defaults-vs-torch-defaults-57m", ours_sized, peer_torch_defaults, world=1,
+            args={"steps": 8, "size": "57m"}, quick_args={"steps": 5, "size": "57m"},
+            goal="ratio >= 1 + the optimizer step's share of torch's step",
+            peer_name="plain PyTorch loop, torch.optim.AdamW(params, lr)")]

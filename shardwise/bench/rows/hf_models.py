@@ -12,6 +12,7 @@ from shardwise.bench.harness import Row, gpt_bench_config, threads_for, timed_st
 from shardwise.bench.peers import ours_tokens_per_s
 from shardwise.data import build_data
 from shardwise.models import build_model, output_loss
+from shardwise.bench.peers import same_optimizer
 
 STEPS = 12
 
@@ -45,7 +46,7 @@ def dtensor_tp_llama(rank, world, **_):
     styles = {k: ColwiseParallel() if v == "col" else RowwiseParallel() for k, v in LLAMA_TP.items()}
     for layer in model.model.layers:
         parallelize_module(layer, mesh, styles)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))
+    opt = same_optimizer(cfg, model.parameters())
     b, state = cfg.train.batch_size, {"step": 0}
 
     def step():

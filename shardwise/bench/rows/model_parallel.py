@@ -15,6 +15,7 @@ from shardwise.bench.harness import Row, gpt_bench_config, threads_for, timed_st
 from shardwise.bench.peers import ours_tokens_per_s
 from shardwise.data import build_data
 from shardwise.models import build_model, lm_loss
+from shardwise.bench.peers import same_optimizer
 
 STEPS = 12
 MICRO = 4
@@ -60,7 +61,7 @@ def torch_pipelining_multi(rank, world, schedule, v):
         ScheduleInterleavedZeroBubble
     pipe = cls(stages, MICRO, loss_fn=lm_loss)
     params = [q for part in parts for q in part.parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95))
+    opt = same_optimizer(cfg, params)
     return _timed_pipeline(pipe, opt, data, cfg, rank)
 
 
@@ -97,7 +98,7 @@ def torch_pipelining(rank, world, schedule):
     stage = PipelineStage(part, rank, world, torch.device("cpu"))
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     pipe = cls(stage, MICRO, loss_fn=lm_loss)
-    opt = torch.optim.AdamW(part.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))
+    opt = same_optimizer(cfg, part.parameters())
     return _timed_pipeline(pipe, opt, data, cfg, rank)
 
 
@@ -122,7 +123,7 @@ def dtensor_tp(rank, world, **_):
     mesh = init_device_mesh("cpu", (world,))
     for block in model.blocks:
         dtensor_block(block, mesh, world, cfg.model.n_embd)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95))
+    opt = same_optimizer(cfg, model.parameters())
     b, state = cfg.train.batch_size, {"step": 0}
 
     def step():

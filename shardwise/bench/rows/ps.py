@@ -13,6 +13,7 @@ import time
 import torch
 
 from shardwise.bench.harness import Row, gpt_bench_config, threads_for
+from shardwise.bench.peers import same_optimizer
 
 STEPS = 20
 BENCH = {"data": {"dataset": "stdlib", "max_bytes": 1_000_000},
@@ -57,8 +58,7 @@ def allreduce_dp(rank, world, steps=STEPS, **parallel):
     cfg = _cfg("ddp", steps)
     mesh, comm = Mesh.build(1, world, 1), Comm()
     model, data = build_model(cfg.model, cfg.train.seed), build_data(cfg)
-    loss_fn, opt = loss_for(cfg.model), torch.optim.AdamW(model.parameters(), lr=1e-3,
-                                                           betas=(0.9, 0.95))
+    loss_fn, opt = loss_for(cfg.model), same_optimizer(cfg, model.parameters())
     params = list(model.parameters())
     flat = torch.empty(sum(p.numel() for p in params))
     losses, t_start = [], time.perf_counter()

@@ -13,6 +13,7 @@ import torch
 
 from shardwise.bench.harness import Row, gpt_bench_config, threads_for, timed_steps
 from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s
+from shardwise.run.api import optimizer_kernel
 
 STEPS = 14
 # a bigger GPT for the offload row (13M parameters: Adam state is 50 MB per rank at N=2)
@@ -73,8 +74,10 @@ def torch_zero_redundancy(rank, world, steps=STEPS, **parallel):
     threads_for(world)
     data = build_data(cfg)
     model = DDP(build_model(cfg.model, cfg.train.seed))
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                  lr=cfg.train.lr, betas=(0.9, 0.95))
+    params = list(model.parameters())
+    opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=cfg.train.lr,
+                                  betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay,
+                                  **optimizer_kernel(params, cfg.train.optimizer_kernel))
     state, b = {"step": 0}, cfg.train.batch_size
 
     def step():
