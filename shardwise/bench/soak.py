@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.every <= args.warmup < args.steps:
         print("error: need 0 < --every <= --warmup < --steps", file=sys.stderr)
         return 2
+    from shardwise.bench.run import machine
     from shardwise.launch.world import run_world
-    out = {"steps": args.steps, "every": args.every, "warmup": args.warmup,
+    out = {"machine": machine(), "steps": args.steps, "every": args.every, "warmup": args.warmup,
            "world": args.world, "load": os.getloadavg(), "sides": {}}
     for side in args.sides.split(","):
         ranks = run_world(_rank, args.world, side, args.steps, args.every,

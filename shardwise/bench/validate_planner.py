@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
 def write_results(save: bool, stem: str, doc: dict, table: str) -> str:
     """``stem``.json and ``stem``.md into shardwise/bench/results/ (``save``) or a new temp
     folder; prints the table and the folder, and returns the folder."""
+    from shardwise.bench.run import machine
+    doc = {**doc, "machine": machine()}     # the commit, whether the tree was dirty, the date
     out_dir = RESULTS if save else tempfile.mkdtemp(prefix=f"shardwise-{stem}-")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as fh:
