@@ -27,6 +27,13 @@ and KIND is one of:
     planner-steps FILE      planner_validation.json: predicted vs measured states and step time
     planner-categories FILE the same file, per memory category
 
+A measured figure inside a sentence is an inline value, one number from one JSON file:
+
+    <!-- value: FILE KEY FORMAT -->1.20<!-- /value -->
+
+KEY is a dotted path into the JSON (``ours.items_per_s``; a list index is a number:
+``sides.zero3.0.peak_rss_mib``) and FORMAT a Python format spec (``.2f``, ``,.0f``, ``.0%``).
+
 Every measured block ends with where its JSON ran (date, commit, uncommitted changes, machine);
 a field the JSON does not carry is written "not recorded".
     cli-reference           every command's options, from the same parsers ``--help`` prints
@@ -243,6 +250,25 @@ KINDS = {"bench-table": bench_table, "bench-provenance": bench_provenance,
          "planner-categories": planner_categories}
 
 
+VALUE = re.compile(r"(<!-- value: (?P<spec>[^>]*?) -->)(?P<body>[^<\n]*)(<!-- /value -->)")
+
+
+def value(spec: str) -> str:
+    """One inline figure: FILE's value at the dotted KEY, formatted by FORMAT."""
+    parts = spec.split()
+    if len(parts) != 3:
+        raise SystemExit(f"error: inline value {spec!r}: expected FILE KEY FORMAT")
+    path, key, fmt = parts
+    node = _load(path)
+    for step in key.split("."):
+        try:
+            node = node[int(step)] if isinstance(node, list) else node[step]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise SystemExit(f"error: inline value {spec!r}: {path} has no {key!r} "
+                             f"(stopped at {step!r})") from None
+    return format(node, fmt)
+
+
 def render(spec: str) -> str:
     kind, *args = spec.split()
     if kind not in KINDS:
@@ -266,7 +292,12 @@ def process(path: str, check: bool) -> list[str]:
         if body != match.group("body"):
             stale.append(match.group("spec"))
         return match.group(1) + body + match.group(4)
-    new = BLOCK.sub(fresh, text)
+    def fresh_value(match):
+        body = value(match.group("spec"))
+        if body != match.group("body"):
+            stale.append(f"value: {match.group('spec')}")
+        return match.group(1) + body + match.group(4)
+    new = VALUE.sub(fresh_value, BLOCK.sub(fresh, text))
     if not check and new != text:
         with open(path, "w") as fh:
             fh.write(new)

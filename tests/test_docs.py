@@ -66,3 +66,20 @@ def test_a_measured_block_says_where_its_json_ran(kind):
                 assert tail.startswith("Generated from `") and "commit " in tail, tail
                 assert "uncommitted changes " in tail, tail
                 assert "CPUs" in tail or "machine not recorded" in tail, tail
+
+
+def test_a_changed_inline_figure_is_caught(tmp_path):
+    """A figure inside a sentence (<!-- value: FILE KEY FORMAT -->) is checked like a table."""
+    pages = [p for p in gen_docs.pages() if "<!-- value: " in open(p).read()]
+    assert pages, "no page carries an inline value"
+    for path in pages:
+        text = open(path).read()
+        m = gen_docs.VALUE.search(text)
+        digit = re.search(r"\d", m.group("body"))
+        body = m.group("body")
+        changed = body[:digit.start()] + str(int(digit.group()) % 9 + 1) + body[digit.start() + 1:]
+        page = tmp_path / "page.md"
+        page.write_text(text[:m.start("body")] + changed + text[m.end("body"):])
+        assert gen_docs.process(str(page), check=True), f"{path}: a changed figure went unnoticed"
+        page.write_text(text)
+        assert not gen_docs.process(str(page), check=True)
