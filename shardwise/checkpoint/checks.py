@@ -7,7 +7,9 @@ from shardwise.config import Config, ConfigError, to_dict
 from shardwise.config.writable import check_writable
 
 
-def check(cfg: Config, world_size: int) -> None:
+def check(cfg: Config, world_size: int) -> store.Found | None:
+    """Refuse what cannot save or resume; with ``--resume``, the checkpoint it will use
+    (store.newest_intact: ``latest``'s, or the newest intact one when that is damaged)."""
     t = cfg.train
     if t.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", t.checkpoint_every, "is negative",
@@ -21,21 +23,27 @@ def check(cfg: Config, world_size: int) -> None:
             if value:
                 raise ConfigError(f"train.{name}", value, "needs a folder to save into or "
                                   "resume from", "add --checkpoint-dir DIR")
-        return
+        return None
     check_writable(t.checkpoint_dir, "train.checkpoint_dir")
-    folder = store.latest(t.checkpoint_dir)
     if not t.resume:
+        folder = store.latest(t.checkpoint_dir)
         if folder is not None:
             raise ConfigError("train.checkpoint_dir", t.checkpoint_dir, "holds a checkpoint "
                               f"already ({folder})", "add --resume to continue from it, or "
                               "give an empty folder")
-        return
-    if folder is None:
+        return None
+    found = store.newest_intact(t.checkpoint_dir)
+    if found.folder is None and found.damaged:
+        raise ConfigError("train.resume", True, f"every checkpoint in {t.checkpoint_dir} is "
+                          f"damaged: {found.note()}", "resume from a copy of the folder, or "
+                          "drop --resume (and give an empty --checkpoint-dir) to start over")
+    if found.folder is None:
         raise ConfigError("train.resume", True, f"there is no checkpoint in {t.checkpoint_dir} "
                           "(no 'latest' naming a complete step-N folder)",
                           "drop --resume to start from scratch, or point --checkpoint-dir at "
                           "a folder a run saved into")
-    check_resumable(cfg, world_size, store.read_meta(folder), folder)
+    check_resumable(cfg, world_size, store.read_meta(found.folder), found.folder)
+    return found
 
 
 def check_resumable(cfg: Config, world_size: int, meta: dict, folder: str) -> None:

@@ -117,7 +117,8 @@ def save(engine, cfg: Config, step: int) -> str:
                     "layout": describe(resolve(cfg)), "strategy": cfg.parallel.strategy,
                     "layout_key": layout_key(cfg, rt.world_size), "reshardable": reshard,
                     "parameters": sum(t.numel() for t in tensors.values()),
-                    "bytes": store.folder_bytes(tmp), "config": to_dict(cfg)}
+                    "bytes": store.folder_bytes(tmp), "config": to_dict(cfg),
+                    "files": store.checksums(tmp)}
             return store.publish(root, step, meta, cfg.train.keep_checkpoints)
     if cfg.train.checkpoint_async and step < cfg.train.steps:
         if pending is None:                        # once per run: a collective over the world
@@ -196,19 +197,27 @@ class ResumePlan:
     folder: str
     step: int
     exact: bool      # the same layout and world: each rank loads its own state
+    skipped: str = ""    # the damaged checkpoints passed over (store.Found.note), or ""
+
+    def line(self) -> str:
+        """What the run prints once as it resumes."""
+        how = "exactly" if self.exact else "resharded into this layout"
+        tail = f"; {self.skipped}" if self.skipped else ""
+        return f"resuming from step {self.step} ({self.folder}, {how}){tail}"
 
 
-def plan_resume(cfg: Config, world_size: int) -> ResumePlan | None:
-    """``train.resume``: the checkpoint ``latest`` names and how to load it (checks.py has
-    refused, before launch, what cannot load)."""
+def plan_resume(cfg: Config, world_size: int, found: store.Found | None = None) -> ResumePlan | None:
+    """``train.resume``: the newest intact checkpoint (``latest``'s unless it is damaged:
+    store.newest_intact; ``found`` when the caller has looked already) and how to load it
+    (checks.py has refused, before launch, what cannot load)."""
     if not cfg.train.resume:
         return None
-    folder = store.latest(cfg.train.checkpoint_dir)
-    if folder is None:
-        raise FileNotFoundError(f"no checkpoint in {cfg.train.checkpoint_dir}")
-    meta = store.read_meta(folder)
+    found = found or store.newest_intact(cfg.train.checkpoint_dir)
+    if found.folder is None:
+        raise FileNotFoundError(f"no intact checkpoint in {cfg.train.checkpoint_dir}")
+    meta = store.read_meta(found.folder)
     exact = meta["layout_key"] == layout_key(cfg, world_size)
-    return ResumePlan(folder, int(meta["step"]), exact)
+    return ResumePlan(found.folder, int(meta["step"]), exact, found.note())
 
 
 def restore_model(model, plan: ResumePlan | None) -> None:

@@ -28,6 +28,12 @@ def find(path: str) -> str:
         raise ConfigError("checkpoint", path, "holds no checkpoint (no meta.json, no 'latest' "
                           "naming a complete step-N folder)", "give a --checkpoint-dir a run "
                           "saved into, or one of its step-N folders")
+    why = store.damage(folder)
+    if why is not None:
+        other = store.newest_intact(os.path.dirname(folder)).folder
+        raise ConfigError("checkpoint", folder, f"is damaged: {why}",
+                          f"use {other}, the newest intact one" if other else
+                          "restore the folder from a copy")
     return folder
 
 

@@ -29,7 +29,8 @@ def resume_after_restart(cfg: Config) -> Config:
     config as it is (no save was published: the run starts over from step 0)."""
     from shardwise.launch import torchrun as launch
     from shardwise.checkpoint import store
-    folder = store.latest(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
+    folder = store.newest_intact(cfg.train.checkpoint_dir).folder \
+        if cfg.train.checkpoint_dir else None
     if not launch.restart_count() or folder is None:
         return cfg
     step = int(store.read_meta(folder)["step"])
@@ -43,7 +44,7 @@ def resume_after_restart(cfg: Config) -> Config:
 def restart_step(cfg: Config) -> int | None:
     """The step a restarted world resumes from (None: from scratch)."""
     from shardwise.checkpoint import store
-    return int(store.read_meta(store.latest(cfg.train.checkpoint_dir))["step"]) \
+    return int(store.read_meta(store.newest_intact(cfg.train.checkpoint_dir).folder)["step"]) \
         if cfg.train.resume else None
 
 

@@ -91,8 +91,10 @@ def evaluate(engine: Engine, data, cfg: Config) -> tuple[float, float | None]:
 def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -> dict:
     """Train ``cfg`` in the current world and return the summary (also written to summary.json)."""
     rt = runtime or init_runtime(cfg)
-    check_checkpoint(cfg, rt.world_size)
-    plan = checkpoint.plan_resume(cfg, rt.world_size)
+    found = check_checkpoint(cfg, rt.world_size)
+    plan = checkpoint.plan_resume(cfg, rt.world_size, found)
+    if plan is not None and rt.is_main and not quiet:
+        print(plan.line(), flush=True)
     data = build_data(cfg)
     model = build_model(cfg.model, cfg.train.seed)
     checkpoint.restore_model(model, plan)            # a reshard: into the plain model
