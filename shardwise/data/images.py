@@ -23,21 +23,45 @@ IDX_FILES = {
 
 
 def read_idx(path: str) -> np.ndarray:
-    """Read one IDX file (raw or .gz): magic 0x00 0x00 dtype ndim, then big-endian dims, data."""
+    """Read one IDX file (raw or .gz): magic 0x00 0x00 dtype ndim, then big-endian dims, data.
+    A damaged file raises ValueError naming the file and what is wrong with it."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as fh:
-        raw = fh.read()
+    try:
+        with opener(path, "rb") as fh:
+            raw = fh.read()
+    except (OSError, EOFError) as exc:     # gzip: BadGzipFile, a stream cut short
+        raise ValueError(f"{os.path.basename(path)} cannot be read ({exc})") from None
+    name = os.path.basename(path)
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise ValueError(f"{path}: not an IDX file (bad magic number)")
+        raise ValueError(f"{name} is not an IDX file (bad magic number)")
     dtype = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}.get(raw[2])
     if dtype is None:
-        raise ValueError(f"{path}: unknown IDX data type 0x{raw[2]:02x}")
+        raise ValueError(f"{name} has an unknown IDX data type 0x{raw[2]:02x}")
     ndim = raw[3]
+    if len(raw) < 4 + 4 * ndim:
+        raise ValueError(f"{name} is cut short inside its header ({len(raw)} bytes)")
     dims = struct.unpack(">" + "I" * ndim, raw[4: 4 + 4 * ndim])
-    data = np.frombuffer(raw, dtype=dtype, offset=4 + 4 * ndim)
+    data = np.frombuffer(raw, dtype=dtype, offset=4 + 4 * ndim, count=-1) \
+        if (len(raw) - 4 - 4 * ndim) % np.dtype(dtype).itemsize == 0 else np.zeros(0)
     if data.size != int(np.prod(dims)):
-        raise ValueError(f"{path}: expected {int(np.prod(dims))} values, found {data.size}")
+        raise ValueError(f"{name} is cut short or padded: its header says "
+                         f"{' x '.join(f'{d:,}' for d in dims)} values, it holds {data.size:,}")
     return data.reshape(dims)
+
+
+def check_idx(images: np.ndarray, labels: np.ndarray, split: str) -> None:
+    """One split's arrays as LeNet takes them: (N, 28, 28) images, N labels in 0..9."""
+    if images.ndim != 3 or images.shape[1:] != (28, 28):
+        raise ValueError(f"the {split} images have shape {images.shape}, not (N, 28, 28) "
+                         "(images and labels swapped?)")
+    if labels.ndim != 1:
+        raise ValueError(f"the {split} labels have shape {labels.shape}, not (N,)")
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(f"the {split} split has {images.shape[0]:,} images but "
+                         f"{labels.shape[0]:,} labels")
+    if labels.size and not (0 <= int(labels.min()) and int(labels.max()) <= 9):
+        raise ValueError(f"the {split} labels run {int(labels.min())}..{int(labels.max())}, "
+                         "not 0..9")
 
 
 def write_idx(path: str, array: np.ndarray) -> None:
@@ -94,13 +118,19 @@ def load_digits_data(seed: int, val_fraction: float = 0.2) -> ImageData:
 
 
 def load_idx_dir(data_dir: str, seed: int) -> ImageData:
-    """MNIST or Fashion-MNIST from the four standard IDX files in ``data_dir``."""
+    """MNIST or Fashion-MNIST from the four standard IDX files in ``data_dir``; a damaged one
+    raises ConfigError (data.data_dir, which file, what is wrong)."""
+    from shardwise.config import ConfigError
     splits = {}
-    for split, (images, labels) in IDX_FILES.items():
-        xi = read_idx(_find(data_dir, images))
-        yi = read_idx(_find(data_dir, labels))
-        if xi.shape[0] != yi.shape[0]:
-            raise ValueError(f"{data_dir}: {split} has {xi.shape[0]} images but {yi.shape[0]} labels")
-        splits[split] = (torch.tensor(xi, dtype=torch.float32)[:, None], torch.tensor(yi, dtype=torch.long))
+    try:
+        for split, (images, labels) in IDX_FILES.items():
+            xi = read_idx(_find(data_dir, images))
+            yi = read_idx(_find(data_dir, labels))
+            check_idx(xi, yi, split)
+            splits[split] = (torch.tensor(xi, dtype=torch.float32)[:, None],
+                             torch.tensor(yi.astype(np.int64), dtype=torch.long))
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError("data.data_dir", data_dir, str(exc), "replace the damaged file with "
+                          "a fresh copy of the data set's IDX files") from None
     tx, vx = _normalise(splits["train"][0], splits["val"][0])
     return ImageData({"train": (tx, splits["train"][1]), "val": (vx, splits["val"][1])}, seed)

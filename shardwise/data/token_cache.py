@@ -93,12 +93,43 @@ def folder_for(files: list[str], spec: str, cache_dir: str, column: str | None =
 
 
 def _read_meta(folder: str) -> Corpus | None:
+    """The complete corpus in ``folder``, or None: not built yet, or damaged (see _damage)."""
     try:
         with open(os.path.join(folder, "meta.json")) as fh:
             m = json.load(fh)
-    except (OSError, ValueError):
+        corpus = Corpus(folder, int(m["n_tokens"]), str(m["dtype"]), int(m["vocab_size"]),
+                        str(m["tokenizer"]))
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return Corpus(folder, m["n_tokens"], m["dtype"], m["vocab_size"], m["tokenizer"])
+    return None if _damage(corpus) else corpus
+
+
+def _damage(corpus: Corpus) -> str | None:
+    """Why a cache folder whose meta.json reads cannot be used (tokens.bin missing, or not
+    the size meta.json says), or None."""
+    path = corpus.tokens_path
+    if not os.path.isfile(path):
+        return "tokens.bin is missing"
+    want = corpus.n_tokens * np.dtype(corpus.dtype).itemsize
+    if os.path.getsize(path) != want:
+        return f"tokens.bin is {os.path.getsize(path):,} bytes, meta.json says {want:,}"
+    return None
+
+
+def _say_if_damaged(folder: str) -> None:
+    """One line on stderr when a cache folder exists but is damaged (it is built again)."""
+    try:
+        with open(os.path.join(folder, "meta.json")) as fh:
+            m = json.load(fh)
+        why = _damage(Corpus(folder, int(m["n_tokens"]), str(m["dtype"]),
+                             int(m["vocab_size"]), str(m["tokenizer"])))
+    except (ValueError, KeyError, TypeError):
+        why = "meta.json is damaged"
+    except OSError:
+        return                                  # not built yet: nothing to say
+    if why:
+        print(f"token cache {folder}: {why}; tokenizing the corpus again", file=sys.stderr,
+              flush=True)
 
 
 def _launcher_ranks() -> tuple[int, int] | None:
@@ -147,6 +178,8 @@ def prepare(data_path: str, spec: str, cache_dir: str = "", timeout: float = 300
         if found is not None:
             return found
         show = total >= PROGRESS_BYTES and (ranks is None or ranks[0] == 0)
+        if ranks is None or ranks[0] == 0:
+            _say_if_damaged(folder)
         try:
             return _build(files, chunks, spec, folder, total, show, max_vocab)
         except textfiles.NotUTF8 as exc:

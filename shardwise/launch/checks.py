@@ -97,10 +97,11 @@ def check_extras(cfg: Config) -> None:
 
 
 def check_data_files(cfg: Config) -> None:
-    """MNIST / Fashion-MNIST: the four IDX files must be there before any process starts."""
+    """MNIST / Fashion-MNIST: the four IDX files must be there and whole before any process
+    starts (read once here: a damaged file is one line, not a traceback in every rank)."""
     if cfg.data.dataset not in ("mnist", "fashion-mnist"):
         return
-    from shardwise.data.images import IDX_FILES, _find
+    from shardwise.data.images import IDX_FILES, _find, load_idx_dir
     for pair in IDX_FILES.values():
         for stem in pair:
             try:
@@ -108,3 +109,6 @@ def check_data_files(cfg: Config) -> None:
             except FileNotFoundError:
                 raise ConfigError("data.data_dir", cfg.data.data_dir, f"{stem}(.gz) is missing",
                                   "put the four IDX files of the data set in that directory") from None
+    load_idx_dir(cfg.data.data_dir, cfg.train.seed)
+
+
