@@ -202,9 +202,13 @@ def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False,
     if not quiet:
         shown = ["torchrun", *cmd[3:]]
         print("launching:", " ".join(shlex.quote(c) for c in shown), flush=True)
+    # torchrun dies with this launcher, by SIGKILL: this launcher ends before torchrun only when
+    # it was killed itself (every stop it handles waits for torchrun), and torchrun's own
+    # SIGTERM path waits up to 30 s for ranks that a busy machine is slow to end; by SIGKILL,
+    # its ranks follow at once (their own parent-death signal, stopping.watch_parent)
     proc = subprocess.Popen(cmd, env=_ranks_env(run_dir, max_restarts), stderr=subprocess.PIPE,
                             start_new_session=True,
-                            preexec_fn=stopping.die_with_parent)
+                            preexec_fn=lambda: stopping.die_with_parent(signal.SIGKILL))
     relay = _StderrRelay(proc.stderr, os.path.join(run_dir, "launcher.log"),
                          divert_on_error=not max_restarts)
     got: list[int] = []
@@ -224,6 +228,11 @@ def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False,
     if got:
         print(stopping.stop_line(run_dir), file=sys.stderr, flush=True)
         return stopping.exit_code(got[0])
+    if rc < 0 and not relay.error_seen:   # killed from outside, not by this launcher
+        print(f"error: torchrun (pid {proc.pid}) was killed by {signal.Signals(-rc).name} from "
+              f"outside this launcher, and its ranks with it; metrics so far in {run_dir}",
+              file=sys.stderr, flush=True)
+        return stopping.exit_code(-rc)
     return rc if rc >= 0 else 1        # torchrun killed after a rank's error: the run failed
 
 

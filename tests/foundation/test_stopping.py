@@ -115,3 +115,25 @@ def test_single_process_run_stops_with_one_line(tmp_path):
     assert [line for line in stderr.splitlines() if line.strip()] == [
         f"stopped at step {json.load(open(os.path.join(out_dir, 'stopme', 'stopped.json')))['step']}"
         f"; metrics so far in {os.path.join(out_dir, 'stopme')}"]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as fh:
+            found += [int(c) for c in fh.read().split()]
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_torchrun_agent_ends_the_run_with_one_line(tmp_path):
+    proc, out_dir = _start(tmp_path)
+    agent, = _children(proc.pid)                       # the launcher's one child: torchrun
+    os.kill(agent, signal.SIGKILL)
+    _wait_gone(proc, out_dir)
+    _, stderr = proc.communicate(timeout=10)
+    assert proc.returncode == 128 + signal.SIGKILL
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines == [f"error: torchrun (pid {agent}) was killed by SIGKILL from outside this "
+                     f"launcher, and its ranks with it; metrics so far in "
+                     f"{os.path.join(out_dir, 'stopme')}"], stderr
