@@ -126,6 +126,21 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     return cfg, args, world
 
 
+def _honours(args: argparse.Namespace):
+    """For ``--strategy auto``: "" when a candidate layout reads every setting the person
+    gave, else the one-line reason (run.validate.check_ignored, as for a named strategy)."""
+    from shardwise.parallel.layout import resolve
+    from shardwise.run.validate import check_ignored
+
+    def honours(cfg: Config, world: int) -> str:
+        try:
+            check_ignored(resolve(cfg, explicit_strategy=True), args, world)
+        except ConfigError as exc:
+            return str(exc)
+        return ""
+    return honours
+
+
 def cmd_train(argv: list[str]) -> int:
     from shardwise.launch import torchrun as launch
     try:
@@ -152,7 +167,7 @@ def cmd_train(argv: list[str]) -> int:
         from shardwise.parallel.layout import resolve
         try:
             fixed = fixed_by_user(cfg, lambda sec, name: prelaunch.given(args, sec, name))
-            choice = choose(cfg, fixed=fixed)
+            choice = choose(cfg, fixed=fixed, honours=_honours(args))
             cfg, argv = resolve(choice.config, explicit_strategy=True), [*argv, *choice.flags]
         except ConfigError as exc:
             return error(str(exc))

@@ -98,8 +98,12 @@ class Choice:
     """{processes: the best runnable estimate on that many processes (or None)}."""
 
 
-FIXABLE = ("parallel.dp", "parallel.tp", "parallel.pp", "memory.grad_accum", "memory.offload",
-           "memory.activation_checkpointing")
+FIXABLE = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.nproc_per_node",
+           "parallel.schedule", "parallel.num_microbatches", "parallel.virtual_stages",
+           "parallel.num_ps", "parallel.num_workers", "parallel.zero1_over_dp",
+           "memory.grad_accum", "memory.offload", "memory.activation_checkpointing")
+"""Every setting :func:`to_config` may change: one the person gave rules out the layouts that
+would change it."""
 
 
 def fixed_by_user(cfg: Config, given) -> dict:
@@ -119,17 +123,28 @@ def _keeps(layout: Layout, cfg: Config, fixed: dict) -> bool:
     return all(changes.get(key, value) == value for key, value in fixed.items())
 
 
-def _best_runnable(p: Ranking, cfg: Config, fixed: dict | None = None) -> Estimate | None:
-    return next((e for e in p.ranked if _keeps(e.layout, cfg, fixed or {})
-                 and not why_not_runnable(e.layout, cfg)), None)
+def _best_runnable(p: Ranking, cfg: Config, fixed: dict | None = None,
+                   honours=None, refused: list | None = None) -> Estimate | None:
+    """The fastest layout that keeps ``fixed``, runs here and (``honours``) reads every other
+    setting the person gave; what ``honours`` said against a layout goes to ``refused``."""
+    for e in p.ranked:
+        if not _keeps(e.layout, cfg, fixed or {}) or why_not_runnable(e.layout, cfg):
+            continue
+        why = honours(*to_config(e.layout, cfg)[:1], e.layout.world) if honours else ""
+        if not why:
+            return e
+        if refused is not None:
+            refused.append(why)
+    return None
 
 
 def choose(cfg: Config, calibration: Calibration | None = None, say=print,
-           fixed: dict | None = None) -> Choice:
+           fixed: dict | None = None, honours=None) -> Choice:
     """Calibrate (unless given), plan on the local process count and on one process, and
     return the fastest layout shardwise can run, converted into ``cfg``, among those that keep
-    ``fixed`` ({section.field: value}: what the person set; module docstring)."""
-    fixed = fixed or {}
+    ``fixed`` ({section.field: value}: what the person set; module docstring) and that
+    ``honours(config, world)`` accepts ("" or why not: a setting the layout would not read)."""
+    fixed, refused = fixed or {}, []
     spec, batch = model_spec(cfg), batch_of(cfg)
     cal = calibration or calibrate(cfg)
     say("auto: " + cal.describe().replace("\n", "\nauto: "))
@@ -142,8 +157,12 @@ def choose(cfg: Config, calibration: Calibration | None = None, say=print,
         except PlanError as exc:
             say(f"auto: no plan on {n} process(es): {exc}")
             continue
-        found[n] = (p, _best_runnable(p, cfg, fixed))
+        found[n] = (p, _best_runnable(p, cfg, fixed, honours, refused))
     runnable = [(e.step_s, n) for n, (_, e) in found.items() if e is not None]
+    if not runnable and refused:
+        raise ConfigError("parallel.strategy", "auto", "no layout the planner ranks reads "
+                          f"every setting you gave; the fastest would not: {refused[0]}",
+                          "drop that setting and let auto choose, or pick a strategy")
     if not runnable and fixed:
         raise ConfigError("parallel.strategy", "auto", "no layout the planner ranks fits, runs "
                           f"here and keeps what you set ({' '.join(flags(fixed))})",

@@ -202,3 +202,38 @@ def test_fixed_by_user_reads_only_what_was_given():
     assert autoplan.fixed_by_user(cfg, lambda s, n: (s, n) in given) == {
         "parallel.tp": cfg.parallel.tp, "memory.offload": cfg.memory.offload}
     assert autoplan.fixed_by_user(cfg, lambda s, n: False) == {}
+
+
+def test_choice_reads_every_setting_the_person_gave():
+    """A setting only some layouts read (DDP's --bucket-mb) steers auto to one that reads it; a
+    setting the ranked layouts all ignore is refused in one line before anything starts."""
+    from shardwise import cli
+    from shardwise.config import ConfigError
+    from shardwise.launch.checks import given
+    base = ["--strategy", "auto", "--n-layer", "4", "--n-embd", "128", "--n-head", "4",
+            "--block-size", "16", "--dataset", "synthetic", "--vocab-size", "67",
+            "--batch-size", "16"]
+    slow = _fake_calibration(1e6, 2.0)               # free, auto picks one process here
+    cfg, args = cli.parse_config(base)
+    assert autoplan.choose(cfg, slow, say=lambda *_: None,
+                           honours=cli._honours(args)).config.parallel.strategy == "single"
+    cfg, args = cli.parse_config([*base, "--vocab-size", "256", "--bucket-mb", "4"])
+    kept = autoplan.choose(cfg, slow, say=lambda *_: None, honours=cli._honours(args))
+    assert kept.config.parallel.strategy == "ddp" and kept.config.parallel.bucket_mb == 4
+    cfg, args = cli.parse_config([*base, "--virtual-stages", "3"])
+    fixed = autoplan.fixed_by_user(cfg, lambda sec, name: given(args, sec, name))
+    with pytest.raises(ConfigError) as exc:
+        autoplan.choose(cfg, slow, say=lambda *_: None, fixed=fixed, honours=cli._honours(args))
+    assert "--virtual-stages 3" in str(exc.value) or "virtual_stages = 3" in str(exc.value)
+
+
+def test_cli_auto_with_an_ignored_setting_is_one_line_and_no_run_folder(tmp_path, capsys,
+                                                                        monkeypatch):
+    from shardwise import cli
+    monkeypatch.setattr(autoplan, "calibrate", lambda cfg: _fake_calibration(1e6, 2.0))
+    code = cli.main(["train", "--strategy", "auto", "--steps", "2", "--n-layer", "2",
+                     "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+                     "--virtual-stages", "3", "--out-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: parallel.strategy"), err
+    assert not os.path.exists(tmp_path / "runs")
