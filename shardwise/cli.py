@@ -32,6 +32,9 @@ commands:
           --top-k K --seed S --device auto|cpu|cuda --no-cache]
           sample text from a trained run's model (gpt, hf:gpt2, hf:llama) on a device, with a
           KV cache; one prompt, or one per line of FILE (one JSON line each); tokens/s on stderr
+  doctor RUN_DIR
+          the hang report of a run whose collective timed out: which rank was behind, its
+          last completed collective and step, what the others waited in
 
 options:
   --version   print shardwise's version and exit
@@ -267,8 +270,23 @@ def cmd_generate(argv: list[str]) -> int:
     return generate.main(argv, _OneLineParser, error)
 
 
+def cmd_doctor(argv: list[str]) -> int:
+    """The hang report of a run (shardwise/launch/hang.py): the one the launcher wrote when a
+    collective timed out, else one built now from the ranks' flight records."""
+    import os
+    ap = _OneLineParser(prog="shardwise doctor", description=cmd_doctor.__doc__)
+    ap.add_argument("run_dir", metavar="RUN_DIR", help="a run's folder (runs/<name>)")
+    args = ap.parse_args(argv)
+    from shardwise.launch import hang
+    if not os.path.isdir(os.path.join(args.run_dir, "flight")):
+        return error(f"{args.run_dir!r} holds no flight records (flight/); fix: give the folder "
+                     "of a run of 2 or more processes (its metrics.jsonl is there)")
+    print(hang.saved(args.run_dir) or hang.build(args.run_dir))
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "plan": cmd_plan, "bench": cmd_bench, "checkpoint": cmd_checkpoint,
-            "generate": cmd_generate}
+            "generate": cmd_generate, "doctor": cmd_doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

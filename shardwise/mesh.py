@@ -152,14 +152,17 @@ class Mesh:
         return Mesh(tuple((a, 1) for a in AXES), 0, Group.solo(), ())
 
     @staticmethod
-    def build(pp: int = 1, dp: int = 1, tp: int = 1) -> "Mesh":
+    def build(pp: int = 1, dp: int = 1, tp: int = 1, timeout=None) -> "Mesh":
         """The classic pp x dp x tp mesh (tp innermost) on the initialised process group."""
-        return Mesh.from_sizes({"pp": pp, "dp": dp, "tp": tp})
+        return Mesh.from_sizes({"pp": pp, "dp": dp, "tp": tp}, timeout)
 
     @staticmethod
-    def from_sizes(sizes: Mapping[str, int]) -> "Mesh":
+    def from_sizes(sizes: Mapping[str, int], timeout=None) -> "Mesh":
         """Build the mesh of named axes (outermost first) on the initialised default process
-        group; the product of the sizes must be the world size."""
+        group; the product of the sizes must be the world size. ``timeout`` (a timedelta):
+        each axis group's, as the world's (torch gives a new group its backend's default,
+        30 minutes for gloo, not the world's: a stalled peer would hold a ZeRO all-gather
+        on the dp group that long)."""
         _check(sizes)
         sizes = dict(sizes)
         total = prod(sizes.values())
@@ -173,18 +176,18 @@ class Mesh:
             raise ValueError(f"mesh {grid} = {total} != world size {world_size}")
         world = Group(dist.group.WORLD, tuple(range(world_size)), rank) if world_size > 1 \
             else Group.solo(rank)
-        groups = tuple((axis, _axis_group(axis, rank, sizes)) for axis in sizes)
+        groups = tuple((axis, _axis_group(axis, rank, sizes, timeout)) for axis in sizes)
         return Mesh(tuple(sizes.items()), rank, world, groups)
 
 
-def _axis_group(axis: str, rank: int, sizes: dict[str, int]) -> Group:
+def _axis_group(axis: str, rank: int, sizes: dict[str, int], timeout=None) -> Group:
     """Create every group along ``axis`` (all ranks must, in the same order) and return the one
     holding ``rank``."""
     if sizes[axis] == 1:
         return Group.solo(rank)
     mine = None
     for members in groups_along(axis, sizes):
-        pg = dist.new_group(list(members))
+        pg = dist.new_group(list(members), timeout=timeout)
         if rank in members:
             mine = Group(pg, members, members.index(rank))
     return mine

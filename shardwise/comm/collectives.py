@@ -172,8 +172,9 @@ class Work:
     """A launched collective; ``wait()`` blocks until it is done and meters the blocked time."""
 
     def __init__(self, work, meter: CommMeter | None, op: str, after=None, timeout=None,
-                 spin: bool = False):
+                 spin: bool = False, done=None):
         self._work, self._meter, self._op, self._after = work, meter, op, after
+        self._done = done         # called once the collective completed (the flight recorder)
         self._timeout = timeout   # timedelta: an async gloo wait gives up after it (gloo's
                                   # process-group timeout does not bound an async wait); None
                                   # for NCCL, whose timed wait spins the host (module docstring)
@@ -205,12 +206,19 @@ class Work:
             if self._meter is not None:
                 self._meter.add_time(self._op, time.perf_counter() - t0)
             self._work = None
+            if self._done is not None:
+                self._done()
+                self._done = None
         if self._after is not None:
             self._after()
             self._after = None
 
 
 DONE = Work(None, None, "")
+
+
+def SKIPPED() -> None:
+    """What Comm.recording returns for a collective the flight recorder's test hook skips."""
 
 _POLLED = ("all_reduce", "broadcast", "all_gather", "barrier")
 """Collectives whose gloo Works turn completed by themselves, so ``spin`` may poll them."""
@@ -250,12 +258,15 @@ class Comm:
     """Collectives over explicit groups, all metered into one CommMeter (one per rank)."""
 
     def __init__(self, meter: CommMeter | None = None, timeout=None, spin: bool = False,
-                 device=None, check_devices: bool = False):
+                 device=None, check_devices: bool = False, flight=None):
         """timeout: a datetime.timedelta after which waiting for an async gloo collective fails
         with CollectiveError (None: wait as the backend does; never applied to NCCL). spin: wait
         for gloo collectives by polling. device: the run's compute device (the runtime's), where
         tensors that callers make for a collective (flags, scalars, buffers) belong.
-        check_devices: check every tensor's device before a collective (module docstring)."""
+        check_devices: check every tensor's device before a collective (module docstring).
+        flight: this rank's FlightRecorder (comm/flight.py), or None: every collective's start
+        and end are recorded there."""
+        self.flight = flight
         self.device = torch.device(device if device is not None else "cpu")
         self._declared = device is not None   # checked against only when someone declared it
         self.meter = meter if meter is not None else CommMeter()
@@ -332,6 +343,9 @@ class Comm:
         timeout = None if backend == "nccl" else self.timeout
         spin = self.spin and backend == "gloo" and op in _POLLED
         polled = spin and not async_op
+        done = self.recording(name or op, group.ranks, max(sent, recv))
+        if done is SKIPPED:
+            return DONE
         t0 = time.perf_counter()
         try:
             result = fn(async_op or polled)
@@ -341,10 +355,27 @@ class Comm:
             raise _failed(name or op, exc) from exc
         self.meter.record(name or op, sent, recv, time.perf_counter() - t0)
         if async_op:
-            return Work(result, self.meter, name or op, after, timeout, spin=spin)
+            return Work(result, self.meter, name or op, after, timeout, spin=spin, done=done)
+        if done is not None:
+            done()
         if after is not None:
             after()
         return DONE
+
+    def at_step(self, step: int) -> None:
+        """The training step the next collectives belong to (for the flight recorder)."""
+        if self.flight is not None:
+            self.flight.step = step
+
+    def recording(self, op: str, ranks: tuple, nbytes: float):
+        """Record a collective's start in the flight recorder; returns what records its end
+        (None without a recorder). Our own transports (shm.py, shm_p2p.py) call it too."""
+        if self.flight is None:
+            return None
+        if self.flight.skips_next():
+            return SKIPPED
+        seq = self.flight.begin(op, ranks, int(nbytes))
+        return lambda: self.flight.end(seq)
 
     def all_reduce(self, t: torch.Tensor, group: Group, op: str = "sum", async_op=False,
                    name: str | None = None) -> Work:

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from shardwise.comm.collectives import Comm, CollectiveError, Group
+from shardwise.comm.collectives import SKIPPED, Comm, CollectiveError, Group
 
 CHUNK_BYTES = 4 << 20
 _LINE = 64                     # bytes between two members' counters (no false sharing)
@@ -159,6 +159,9 @@ class ShmAllReduce:
             raise ValueError(f"{name}: the shared-memory allreduce takes contiguous float "
                              f"tensors, got {t.dtype} (contiguous={t.is_contiguous()})")
         n, r = self.group.size, self.group.rank
+        done = self.comm.recording(name, self.group.ranks, t.numel() * t.element_size())
+        if done is SKIPPED:
+            return
         t0 = time.perf_counter()
         flat = t.view(-1)
         per = self.chunk // t.element_size()
@@ -181,3 +184,5 @@ class ShmAllReduce:
         k = flat.numel() * t.element_size()
         vol = 2 * (n - 1) / n * k
         self.comm.meter.record(name, vol, vol, time.perf_counter() - t0)
+        if done is not None:
+            done()

@@ -71,6 +71,7 @@ class _Op:
         self.tensor = tensor                                  # kept alive until done
         self.bytes = tensor.reshape(-1).view(torch.uint8)
         self.moved = 0
+        self.recorded = None                                  # the flight recorder's end
 
     @property
     def done(self) -> bool:
@@ -116,6 +117,9 @@ class ShmP2P:
         if pair not in self.rings:
             raise ValueError(f"shared-memory p2p: no ring for {kind} with member {peer}")
         op = _Op(self, kind, tensor, peer, name)
+        recorded = self.comm.recording(name, tuple(self.group.global_rank(i) for i in pair),
+                                       op.bytes.numel())
+        op.recorded = recorded if callable(recorded) and recorded is not SKIPPED else None
         self.pending.setdefault((kind, peer), deque()).append(op)
         self.progress()
         return op
@@ -171,6 +175,8 @@ class ShmP2P:
                 (r.copy_(p) if into_ring else p.copy_(r))
 
     def _meter(self, op: _Op) -> None:
+        if op.recorded is not None:
+            op.recorded()
         k = op.bytes.numel()
         self.comm.meter.record(op.name, k if op.kind == "send" else 0,
                                k if op.kind == "recv" else 0)

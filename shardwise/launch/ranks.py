@@ -5,6 +5,7 @@ memory or disk, a peer that stalled or died) and a traceback for anything else.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from shardwise.config import Config, ConfigError
@@ -92,6 +93,7 @@ def train_rank(cfg: Config) -> int:
         rt = init_runtime(cfg)
         if not ours:
             cfg = agree_on_run(cfg, rt)
+        record_flight(rt, rundir.path(cfg))
         if rt.is_main and launch.restart_count():    # --max-restarts: a restarted world
             launch.keep_attempt_metrics(rundir.path(cfg))
             print(launch.restart_line(restart_step(cfg)), flush=True)
@@ -107,6 +109,9 @@ def train_rank(cfg: Config) -> int:
         if request.signum is not None:      # a peer left because we are all stopping
             code = stopping.exit_code(request.signum)
         else:
+            from shardwise.launch import hang
+            if rt is not None:
+                hang.mark_failed(rundir.path(cfg), rt.rank, exc.op, exc.step)
             print(collective_line(exc, rt, cfg, launch.restarts_left()), file=sys.stderr,
                   flush=True)
             code = 1
@@ -126,6 +131,19 @@ def train_rank(cfg: Config) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def record_flight(rt, run_dir: str) -> None:
+    """This rank's flight recorder (comm/flight.py) in ``run_dir``/flight, for the hang report
+    (launch/hang.py); none in a world of one. SHARDWISE_SKIP_COLLECTIVE=RANK:SEQ (a test hook)
+    makes rank RANK skip its collective number SEQ, as a buggy program would."""
+    if rt.world_size == 1:
+        return
+    from shardwise.comm.flight import FlightRecorder, path_for
+    rt.comm.flight = FlightRecorder(path_for(run_dir, rt.rank), rt.rank)
+    hook = os.environ.get("SHARDWISE_SKIP_COLLECTIVE", "")
+    if hook.partition(":")[0] == str(rt.rank):
+        rt.comm.flight.skip_seq = int(hook.partition(":")[2])
 
 
 def collective_line(exc, rt, cfg: Config, left: int) -> str:

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 
+from shardwise.launch import hang
 from shardwise.run import stopping
 from shardwise.config import Config, ConfigError
 from shardwise.parallel.presets import SINGLE_PROCESS
@@ -219,12 +220,20 @@ def relaunch(nproc: int, argv: list[str], run_dir: str, quiet: bool = False,
             relay.divert()
             _signal_group(proc, signal.SIGTERM)
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    report: list[str] = []
+
+    def ending() -> bool:
+        if relay.error_seen and not report and hang.failed(run_dir):
+            report.append(hang.snapshot(run_dir))   # while the ranks are still there
+        return bool(got) or (relay.error_seen and not max_restarts)
     try:
-        rc = _wait(proc, lambda: bool(got) or (relay.error_seen and not max_restarts))
+        rc = _wait(proc, ending)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
     relay.join()
+    if report:                           # a collective timed out: who was behind, and where
+        print(report[0], file=sys.stderr, flush=True)
     if got:
         print(stopping.stop_line(run_dir), file=sys.stderr, flush=True)
         return stopping.exit_code(got[0])
@@ -314,6 +323,9 @@ class _StderrRelay:
                     if (b"\n" + chunk).find(b"\nerror: ") >= 0:
                         self.error_seen = True
                         if self.divert_on_error:
+                            if not chunk.endswith(b"\n"):   # print's newline may come later
+                                sys.stderr.buffer.write(b"\n")
+                                sys.stderr.buffer.flush()
                             self.divert()
             except (OSError, ValueError):
                 pass

@@ -125,8 +125,8 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
         from shardwise.parallel.presets import resolve_dp
         p = cfg.parallel
         mesh_sizes = (1, world_size, 1) if p.strategy == "ps" else (p.pp, resolve_dp(cfg, world_size), p.tp)
-    mesh = Mesh.build(*mesh_sizes)
     timeout = timedelta(seconds=collective_seconds(cfg)) if world_size > 1 else None
+    mesh = Mesh.build(*mesh_sizes, timeout=timeout)
     # SHARDWISE_CHECK_DEVICES=1: every collective checks its tensors' devices (debug mode)
     comm = Comm(CommMeter(), timeout=timeout, spin=spins(cfg.train.comm_wait, device, world_size),
                 device=device, check_devices=os.environ.get("SHARDWISE_CHECK_DEVICES") == "1")

@@ -117,6 +117,7 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     try:
         stop.__enter__()
         for step in range(start, cfg.train.steps):
+            rt.comm.at_step(step + 1)
             lr = lr_at(step, cfg)
             engine.strategy.set_lr(lr)
             x, y = data.batch(step, cfg.train.batch_size, index, count)

@@ -54,7 +54,12 @@ def test_a_stalled_rank_is_detected_within_the_timeout(tmp_path):
     assert "stalled or died" in line and "--collective-timeout" in line
     assert proc.returncode == 1
     assert "Traceback" not in stderr
-    assert stderr.strip().splitlines()[-1] == line        # the last thing the person reads
+    # then only the hang report (launch/hang.py), which names the stopped rank
+    after = stderr.strip().splitlines()
+    after = after[after.index(line) + 1:]
+    assert after[0].startswith("hang report (2 ranks' flight records"), after
+    assert after[1].startswith("  rank 1 is behind: its process is stopped"), after
+    assert all(x.startswith("  ") for x in after[1:]), after
 
 
 def _alive(pid: int) -> bool:
