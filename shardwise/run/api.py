@@ -66,7 +66,9 @@ def optimizer_kernel(params: list, kernel: str) -> dict:
     tensors on a device torch has fused kernels for (cpu and cuda among them), else ``foreach``.
     Fused and loop agree to float rounding (the same formula, element by element); on this
     CPU fused AdamW stepped the 57M GPT in 41 ms against 370 ms for the loop (torch's CPU
-    default). ``foreach``: one op per kind over all tensors. ``loop``: a tensor at a time."""
+    default). ``foreach``: one op per kind over all tensors. ``loop``: a tensor at a time.
+    A meta tensor counts as fusable: it is a parameter not made yet (ZeRO-3 probes the factory on
+    a meta-device model's parameters, then builds the optimizer on its CPU or CUDA masters)."""
     if kernel == "loop":
         return {"foreach": False}
     if kernel == "foreach":
@@ -75,7 +77,8 @@ def optimizer_kernel(params: list, kernel: str) -> dict:
     tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
     fusable = bool(tensors) and all(
         isinstance(p, torch.Tensor) and p.is_floating_point() and not p.is_sparse
-        and p.device.type in _get_fused_kernels_supported_devices() for p in tensors)
+        and (p.is_meta or p.device.type in _get_fused_kernels_supported_devices())
+        for p in tensors)
     return {"fused": True} if fusable else {"foreach": True}
 
 

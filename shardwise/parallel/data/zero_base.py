@@ -20,7 +20,9 @@ never communicated after the start, never stepped and hold no optimizer state (b
 unchanged, whatever the weight decay). Stage 3 does not shard them either.
 
 Start: dp rank 0's parameters and buffers are broadcast before anything is sharded, so ranks
-that initialised differently train identically. Buffers (e.g. BatchNorm running statistics) are
+that initialised differently train identically; not when every rank made them from the seed (a
+meta-device build, models/init.py: ``deterministic_start``), where ZeRO-3 makes one unit at a time,
+keeps its shard and drops the rest, so no rank ever holds the whole model. Buffers (e.g. BatchNorm running statistics) are
 broadcast from dp rank 0 after every step: they follow rank 0's shard statistics, as torch DDP's
 ``broadcast_buffers`` does. The optimizer is stepped one chunk at a time (the other masters'
 ``.grad`` are None, so torch.optim skips them): the math equals one step over all of them, the
@@ -83,6 +85,7 @@ class Chunk:
 class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
     """The parts of ZeRO every stage shares; subclasses build chunks and move gradients."""
     stage = 0
+    materializer = None   # ZeRO-3 on a meta-device model: its units are made as they are sharded
 
     def __init__(self, cfg, mesh, comm, device, loss_fn):
         super().__init__(cfg, mesh, comm, device, loss_fn)
@@ -103,11 +106,18 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
 
     # -- building chunks ------------------------------------------------------------------
     def _adopt(self, model: nn.Module, optimizer_factory) -> list[nn.Parameter]:
-        """Take the model, start every rank from dp rank 0's state, learn the user's parameter
-        groups; return the trainable parameters (frozen ones stay plain, whole tensors)."""
-        self.model = model.to(self.device)
-        broadcast_coalesced(self.comm, [*self.model.parameters(), *self.model.buffers()], 0,
-                            self.group, name="zero_broadcast")
+        """Take the model, start every rank from dp rank 0's state (unless every rank made it
+        from the seed: ``deterministic_start``), learn the user's parameter groups; return the
+        trainable parameters (frozen ones stay plain, whole tensors). ZeRO-3 on a meta-device
+        model (``materializer``): buffers and frozen weights, kept whole, are made now; the
+        trainable ones stay on the meta device until their unit is sharded (zero_stage3.py)."""
+        if self.materializer is not None:
+            self.materializer.fill([*model.buffers(),
+                                    *(p for p in model.parameters() if not p.requires_grad)])
+        self.model = model._apply(lambda t: t if t.is_meta else t.to(self.device))
+        if not self.deterministic_start:
+            broadcast_coalesced(self.comm, [*self.model.parameters(), *self.model.buffers()], 0,
+                                self.group, name="zero_broadcast")
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._groups = ParamGroups.probe(optimizer_factory, named)
         self.frozen = [p for p in self.model.parameters() if not p.requires_grad]
