@@ -265,6 +265,7 @@ class Materializer:
         # meta copies taken now: tensor parallelism later swaps modules inside the units
         self.copies = [_copy(u) for u in self.units] if snapshot else None
         self._held: tuple[int, dict] | None = None
+        self._given: set[tuple[int, str]] = set()   # (unit, name) whose tensor was handed out
 
     def derive(self, new: torch.Tensor, old: torch.Tensor, piece: Callable | None) -> None:
         """``new`` is ``piece(old)`` (None: all of it)."""
@@ -278,6 +279,7 @@ class Materializer:
         """Unit ``i`` made whole on the CPU, by local name (the last one made is held)."""
         if self._held is None or self._held[0] != i:
             self._held = None                      # drop the previous unit first
+            self._given = {g for g in self._given if g[0] != i}   # a new copy of unit i
             u = self.units[i]
             shell = copy.deepcopy(self.copies[i]) if self.copies else _copy(u)
             made = make_unit(u, shell, self.init, self.seed)
@@ -289,7 +291,12 @@ class Materializer:
         """The value of recorded tensor ``t`` (a new CPU tensor)."""
         i, local, piece = self.sources[id(t)]
         full = self._unit(i)[local]
-        return full.clone() if piece is None else piece(full)
+        if piece is not None:
+            return piece(full)
+        if (i, local) in self._given:   # handed out already: a copy (no two share storage)
+            return full.clone()
+        self._given.add((i, local))     # the unit's own tensor: no copy of a whole unit
+        return full
 
     def fill(self, tensors) -> None:
         """Give every meta tensor among ``tensors`` its value, on the CPU, unit by unit."""

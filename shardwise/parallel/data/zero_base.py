@@ -133,11 +133,13 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         params = sorted(params, key=self._groups.index.__getitem__)   # stable: one run a group
         layout = FlatLayout.of(params, self.group.size)
         rank = self.group.rank
-        fp32 = layout.new_flat([p.detach() for p in params], torch.float32, self.device)
         if full_sharded:   # stage 3: own a copy of the shard; the whole chunk is gathered on use
+            own = _own_slice(layout, params, rank, self.device)   # not the whole flat copy
             full = torch.empty(layout.padded, dtype=self.dtype, device=self.device)
-            shard = layout.shard(fp32, rank).to(self.dtype, copy=True)
+            shard = own if self.dtype == torch.float32 else own.to(self.dtype)
         else:
+            fp32 = layout.new_flat([p.detach() for p in params], torch.float32, self.device)
+            own = layout.shard(fp32, rank)
             full = fp32 if self.dtype == torch.float32 else fp32.to(self.dtype)
             shard = layout.shard(full, rank)
         for p, view in zip(params, layout.views(full)):
@@ -146,7 +148,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
             master = shard                               # the shard itself: no copy in fp32
         else:
             master = self.store.zeros(layout.shard_numel, pin=True)   # copied each step
-            master.copy_(layout.shard(fp32, rank))       # from fp32 weights, before any cast
+            master.copy_(own)                            # from fp32 weights, before any cast
         groups = [self._groups.index[p] for p in params]
         masters = [(g, lo, hi, nn.Parameter(master[lo:hi]))
                    for g, lo, hi in shard_runs(layout, groups, rank)]
@@ -325,6 +327,20 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
             return super().evaluate(x, y)
         finally:
             self._ag_name = "zero_param_ag"
+
+
+@torch.no_grad()
+def _own_slice(layout: FlatLayout, params: list, rank: int, device) -> torch.Tensor:
+    """Rank's slice of the chunk's flat fp32 layout (padding 0), copied from the parameters
+    that overlap it: equal to ``layout.shard(layout.new_flat(params, fp32), rank)`` without
+    the whole flat copy (ZeRO-3's set-up then holds one unit, not two)."""
+    lo, hi = layout.shard_range(rank)
+    out = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+    for p, offset in zip(params, layout.offsets):
+        a, b = max(offset, lo), min(offset + p.numel(), hi)
+        if a < b:
+            out[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - offset:b - offset])
+    return out
 
 
 def _cast(t, dtype: torch.dtype):
