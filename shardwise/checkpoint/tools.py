@@ -89,7 +89,7 @@ def export(path: str, out: str, max_shard_size: str | int = export_io.DEFAULT_MA
         else int(max_shard_size)
     from shardwise.models import build_model
     with torch.device("meta"):                     # names, shapes, dtypes: no memory
-        model = build_model(cfg.model, cfg.train.seed)
+        model = build_model(cfg.model, cfg.train.seed, init="meta")
     stored = {k[len(canonical.MODEL):]: v for k, v in dcp_io.stored(folder).items()
               if v is not None and k.startswith(canonical.MODEL)}
     specs = plain_specs(model, stored)

@@ -49,6 +49,12 @@ class ModelConfig:
     block_size: int = _f(128, "GPT: sequence length in tokens")
     vocab_size: int = _f(256, "GPT: vocabulary size (256 = byte-level tokens)")
     dropout: float = _f(0.0, "GPT: dropout probability (0 keeps runs bit-comparable)")
+    init: str = _f("meta", "how ranks get their weights: meta = the model is built on the meta "
+                   "device and each rank materialises only what it keeps (its ZeRO-3 shards, tp "
+                   "slices, pipeline stage) one block at a time, initialised per module from the "
+                   "seed (the same weights under every layout); eager = every rank first builds "
+                   "the whole model on the CPU (the same weights; for a model whose __init__ "
+                   "reads tensors or has modules without reset_parameters)", ("meta", "eager"))
     hf_config: str = _f("", "hf:gpt2 / hf:llama: a Hugging Face config.json to build the model "
                         "from (then --n-layer, --n-embd, --n-head and --vocab-size come from the "
                         "file); empty = built from those flags, with n_positions / "

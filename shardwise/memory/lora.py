@@ -65,8 +65,16 @@ class LoRALinear(nn.Module):
         like = {"dtype": base.weight.dtype, "device": base.weight.device}
         self.rank, self.scale = rank, alpha / rank
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **like))    # (r, in)
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **like))   # (out, r)
+        self.lora_B = nn.Parameter(torch.empty(self.out_features, rank, **like))   # (out, r)
+        self.reset_parameters()
+
+    # a meta-device build's initialiser (models/init.py) calls reset_parameters on this module
+    # whatever the model's family: it sets lora_A and lora_B only (the base sets itself)
+    initialises_itself = True
+
+    def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))   # as nn.Linear's own init (peft)
+        nn.init.zeros_(self.lora_B)
 
     @property
     def in_features(self) -> int:

@@ -133,20 +133,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.apply(self._init)
-        # GPT-2's scaled init of the residual projections: std 0.02 / sqrt(2 * n_layer).
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, 0.0, 0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, 0.0, 0.02)
+        for name, m in self.named_modules():   # build_model re-runs this per unit, seeded
+            init_module(m, name, cfg.n_layer)
 
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Token + position embedding at positions start.. : (B, T) int -> (B, T, C)."""
@@ -180,6 +168,27 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6 N (weights) + 12 L C T (attention scores), PaLM's count."""
         c = self.cfg
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
+
+
+def init_module(m: nn.Module, name: str, n_layer: int) -> None:
+    """Our GPT's initialiser for one module's own tensors (models/init.py runs it per module,
+    each on a generator seeded from the run's seed and ``name``): linear and embedding weights
+    N(0, 0.02), GPT-2's scaled N(0, 0.02 / sqrt(2 n_layer)) for the residual projections
+    (``attn.proj``, ``mlp.proj``), biases 0, layer norms 1 / 0."""
+    if isinstance(m, nn.Linear):
+        scaled = name.endswith("proj")
+        nn.init.normal_(m.weight, 0.0, 0.02 / math.sqrt(2 * n_layer) if scaled else 0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight, 0.0, 0.02)
+    elif isinstance(m, nn.LayerNorm):
+        m.reset_parameters()
+
+
+def initialises(m: nn.Module) -> bool:
+    """Whether :func:`init_module` sets ``m``'s own tensors."""
+    return isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -160,15 +160,15 @@ def hf_config(m):
                use_cache=False, tie_word_embeddings=False)
 
 
-def build(m) -> nn.Module:
-    """The model (random init from the caller's seed), with --hf-weights loaded when given
-    (not on the meta device: there is nothing to load into)."""
+def build(m, load: bool = True) -> nn.Module:
+    """The model (random init from the caller's seed), with --hf-weights loaded when given and
+    ``load`` (not on the meta device: there is nothing to load into)."""
     transformers = _transformers(m.name)
     config = hf_config(m)
     cls = (transformers.GPT2LMHeadModel if FAMILIES[m.name] == "gpt2"
            else transformers.LlamaForCausalLM)
     model = cls(config)
-    if m.hf_weights and not next(model.parameters()).is_meta:
+    if load and m.hf_weights and not next(model.parameters()).is_meta:
         load_weights(model, m.hf_weights)
     return model
 

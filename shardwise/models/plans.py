@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -181,6 +182,22 @@ def _has_module(model: nn.Module, path: str) -> bool:
 
 def _builtin(cls: type) -> bool:
     return cls.__module__.startswith(("shardwise.models", "transformers."))
+
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def block_class(model: nn.Module) -> str | None:
+    """The largest repeated module class: occurs >= 2 times, most parameters per instance."""
+    counts, sizes = Counter(), {}
+    for m in model.modules():
+        if isinstance(m, CONTAINERS) or m is model:
+            continue
+        name = type(m).__name__
+        counts[name] += 1
+        sizes[name] = max(sizes.get(name, 0), sum(p.numel() for p in m.parameters()))
+    repeated = [n for n, k in counts.items() if k >= 2 and sizes[n] > 0]
+    return max(repeated, key=lambda n: sizes[n]) if repeated else None
 
 
 def block_class_names(model: nn.Module) -> list[str] | None:

@@ -159,6 +159,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 class Strategy(ActivationLedger, LossScaling, StrategyState):
     """Plain training on one process; the reference every other strategy must equal."""
     name = "single"
+    # every rank's parameters were made from the seed, identically (a meta-device build,
+    # models/init.py): a data-parallel component skips its start-up broadcast (compose.py)
+    deterministic_start = False
 
     def __init__(self, cfg: Config, mesh: Mesh, comm: Comm, device: torch.device, loss_fn: LossFn):
         self.cfg, self.mesh, self.comm, self.device, self.loss_fn = cfg, mesh, comm, device, loss_fn

@@ -8,15 +8,26 @@ below follows it step by step):
  0. model techniques  LoRA adapters injected (``memory.lora_rank`` > 0: base weights frozen;
                      memory/lora.py), then ``memory.freeze``'s globs frozen (memory/freeze.py):
                      every later step keeps requires_grad, and every data-parallel stage gives
-                     frozen parameters no gradient, optimizer state or traffic
+                     frozen parameters no gradient, optimizer state or traffic. Then, for a
+                     model on the meta device (``--init meta``, the run's default), a
+                     Materializer (models/init.py) records each tensor's unit before steps 2-3
+                     restructure it; each rank later makes only what it keeps, one unit (block)
+                     at a time, initialised from the seed, the same under every layout: single /
+                     dp / ps and stages 0-2 fill what steps 2-3 left (the whole model, its tp
+                     slice, this rank's stage) just before step 6; ZeRO-3 fills unit by unit as
+                     it shards (step 6), so no rank holds the whole model, and nothing is
+                     broadcast at the start
  1. model plan       which parameters tensor parallelism splits and how, which modules are
                      blocks and where stages cut (models/plans.py: shardwise's GPT, HF GPT-2
                      and Llama, registered user classes; a model without one: tp and pp are
                      refused with one line)
- 2. tensor parallel  tp > 1 or pp > 1: global rank 0's weights broadcast over the world (meter
-                     ``init_broadcast``: slices and stages are cut from the same weights), then
-                     the layers swapped for their tp slices over ``mesh.tp_group``; the loss
-                     becomes the vocab-parallel cross-entropy (parallel/tensor.py)
+ 2. tensor parallel  tp > 1 or pp > 1: the layers swapped for their tp slices over
+                     ``mesh.tp_group``; the loss becomes the vocab-parallel cross-entropy
+                     (parallel/tensor.py). A model built on the meta device (``--init meta``,
+                     the run's default) stays there: each slice only records which piece of
+                     which unit it is. A model handed over in memory is first moved and
+                     broadcast from global rank 0 (meter ``init_broadcast``: slices and stages
+                     are cut from the same weights)
  3. pipeline split   pp > 1: this rank keeps its stage, or its v chunks when interleaved
                      (parallel/pipeline/driver.cut)
  4. activation checkpointing   each of this rank's blocks recomputed in backward (memory/)
@@ -53,6 +64,7 @@ from shardwise.memory.checkpointing import apply_activation_checkpointing
 from shardwise.memory.freeze import freeze
 from shardwise.memory.lora import inject_lora
 from shardwise.mesh import Mesh
+from shardwise.models.init import Materializer, is_meta
 from shardwise.models.plans import block_class_names, plan_class, plan_of
 from shardwise.parallel import strategy_class
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
@@ -71,9 +83,12 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
         inject_lora(model, m.lora_rank, m.lora_alpha, m.lora_targets)
     if m.freeze:
         freeze(model, m.freeze)
+    mat = Materializer(model, cfg.train.seed) if is_meta(model) else None
     plan = plan_of(model)                                                 # 1
     blocks = None if plan is None else plan.blocks_of(model)
     if p.strategy not in DATA_MODEL:                          # single, dp, ps: their own layouts
+        if mat is not None:                    # they keep the whole model: all of it, now
+            mat.fill_module(model)
         if m.activation_checkpointing:                                    # 4
             apply_activation_checkpointing(model, blocks)
         strategy = strategy_class(p.strategy)(cfg, mesh, comm, device, loss_fn)
@@ -93,7 +108,7 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
                         f"what its forward does, or train {name} with pp = 1")
     specs = {}
     if mesh.tp > 1 or mesh.pp > 1:                                        # 2
-        model, specs, loss_fn = split_from_rank0(model, mesh, comm, device, loss_fn)
+        model, specs, loss_fn = split_from_rank0(model, mesh, comm, device, loss_fn, mat)
     cut = units = None
     if mesh.pp > 1:                                                       # 3
         units = block_class_names(model)   # ZeRO-3's unit class, read off the whole model
@@ -110,7 +125,15 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
         grads.accumulate_unsharded = True
         if zero_stage(cfg) == 3:
             grads.unit_classes = units    # ZeRO-3's units: the whole model's block class
+    if mat is not None:               # made from the seed on every rank: nothing to broadcast
+        grads.deterministic_start = True
+        if zero_stage(cfg) == 3:
+            grads.materializer = mat  # ZeRO-3 makes one unit at a time and keeps its shard
+        else:
+            mat.fill_module(model)    # the rest keep what is left whole: this rank's part
     grads.wrap(model, optimizer_factory)                                  # 6, 7
+    if mat is not None:
+        mat.release()
     if cut is None:                                                       # 8
         return grads
     return driver.PipelineDriver(cfg, mesh, comm, device, loss_fn, cut, grads)

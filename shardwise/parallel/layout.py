@@ -93,14 +93,19 @@ def check_components(cfg: Config, world_size: int, dp: int) -> None:
 
 
 def check_model_names(cfg: Config) -> None:
-    """``shardwise train``: the freeze / LoRA globs against the model the run builds (on the
-    meta device: no memory, no weights), before any process starts."""
-    if not cfg.memory.freeze and cfg.memory.lora_rank == 0:
+    """``shardwise train``, before any process starts, on the model built on the meta device (no
+    memory, no weights): the freeze / LoRA globs against its names, and a person's model's
+    meta-init contract under ``--init meta`` (models/init.py: its ``__init__`` needs no real
+    tensors, every module has an initialiser), each refused in one line."""
+    from shardwise.models import user
+    contract = user.is_user(cfg.model.name) and cfg.model.init == "meta"
+    if not cfg.memory.freeze and cfg.memory.lora_rank == 0 and not contract:
         return
-    import torch
     from shardwise.models import build_model
-    with torch.device("meta"):
-        model = build_model(cfg.model, cfg.train.seed)
+    from shardwise.models.init import check_initialisable
+    model = build_model(cfg.model, cfg.train.seed, init="meta")
+    if contract:
+        check_initialisable(model)
     memory_checks.check_names(cfg, model)
 
 

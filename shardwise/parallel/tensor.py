@@ -132,13 +132,15 @@ class VocabParallelEmbedding(nn.Module):
         return vocab_parallel_embedding(ids, self.weight, self.vocab_start, self.comm, self.group)
 
 
-def apply_tensor_parallel(model: nn.Module, mesh, comm: Comm) -> dict[str, ShardSpec]:
+def apply_tensor_parallel(model: nn.Module, mesh, comm: Comm, mat=None) -> dict[str, ShardSpec]:
     """Swap the modules ``model``'s plan (shardwise/models/plans.py) splits for their tp-parallel
     versions over ``mesh.tp_group``, in place, and divide its attention modules' head counts.
 
     Parameter names are unchanged (``blocks.0.attn.qkv.weight`` ...); a weight tied to another
     split one (GPT-2's lm_head and wte: the same rows) stays tied. Returns {name: ShardSpec} of
     every split parameter (the rest are replicated). tp = 1 leaves the model as it is.
+    ``mat``: the model is on the meta device; each slice (itself meta) is recorded with the
+    Materializer (models/init.py) as the piece of the full weight it is, made later.
     """
     group = mesh.tp_group
     if group.size == 1:
@@ -151,7 +153,11 @@ def apply_tensor_parallel(model: nn.Module, mesh, comm: Comm) -> dict[str, Shard
         split = plan.split_of(path)
         if split is not None:
             parent, _, leaf = path.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, _parallel(mod, split, comm, group))
+            new = _parallel(mod, split, comm, group)
+            if mat is not None:
+                for piece, full, spec in _sources(new, mod):
+                    mat.derive(piece, full, _slicer(spec, group))
+            setattr(model.get_submodule(parent), leaf, new)
         for attr in plan.head_attrs(path):                          # local heads / widths
             setattr(mod, attr, getattr(mod, attr) // group.size)
     for path, same_as in ties:
@@ -196,6 +202,27 @@ def _parallel(mod: nn.Module, split, comm: Comm, group: Group) -> nn.Module:
     return _column(mod, comm, group, parts=split.parts, name=name, transposed=split.transposed)
 
 
+def _sources(new: nn.Module, old: nn.Module) -> list[tuple]:
+    """(tensor of ``new``, the tensor of ``old`` it was cut from, its ShardSpec or None when
+    copied whole) for a parallel layer built from ``old``."""
+    if isinstance(new, (ColumnParallelLoRA, RowParallelLoRA)):
+        column = isinstance(new, ColumnParallelLoRA)
+        return [*_sources(new.base, old.base),
+                (new.lora_A, old.lora_A, None if column else new.a_spec),
+                (new.lora_B, old.lora_B, new.spec if column else None)]
+    out = [(new.weight, old.weight, new.spec)]
+    if getattr(new, "bias", None) is not None:
+        out.append((new.bias, old.bias, getattr(new, "bias_spec", None)))
+    return out
+
+
+def _slicer(spec: ShardSpec | None, group: Group):
+    """full -> this tp rank's piece of it (None: the whole tensor)."""
+    if spec is None:
+        return None
+    return lambda full: shard_tensor(full, spec, group.rank, group.size)
+
+
 def _specs(model: nn.Module) -> dict[str, ShardSpec]:
     specs = {}
     for mod_name, mod in model.named_modules():
@@ -229,15 +256,20 @@ def _row(mod: nn.Module, comm: Comm, group: Group, transposed: bool = False):
 
 
 @torch.no_grad()
-def split_from_rank0(model: nn.Module, mesh, comm: Comm, device, loss_fn):
-    """Steps 2 of compose.py, shared with the pipeline: move the whole model to ``device``, take
-    global rank 0's parameters and buffers (meter ``init_broadcast``: slices are cut from the
-    full weights, so ranks that initialised differently would otherwise train different
-    models), then split it over tp. Returns (model, {name: ShardSpec}, the loss to use)."""
-    model = model.to(device)                      # NCCL broadcasts device tensors only
-    broadcast_coalesced(comm, [*model.parameters(), *model.buffers()], 0, mesh.world,
-                        name="init_broadcast")
-    specs = apply_tensor_parallel(model, mesh, comm)
+def split_from_rank0(model: nn.Module, mesh, comm: Comm, device, loss_fn, mat=None):
+    """Steps 2 of compose.py, shared with the pipeline: split the model over tp. Returns
+    (model, {name: ShardSpec}, the loss to use).
+
+    A model on the meta device (``mat``, its Materializer) stays there: its slices are made
+    later, a unit at a time, from the seed (the same on every rank, so nothing is broadcast).
+    A model in memory is moved to ``device`` whole and takes global rank 0's parameters and
+    buffers first (meter ``init_broadcast``: slices are cut from the full weights, so ranks
+    that initialised differently would otherwise train different models)."""
+    if mat is None:
+        model = model.to(device)                  # NCCL broadcasts device tensors only
+        broadcast_coalesced(comm, [*model.parameters(), *model.buffers()], 0, mesh.world,
+                            name="init_broadcast")
+    specs = apply_tensor_parallel(model, mesh, comm, mat)
     plan = plan_of(model)
     if mesh.tp > 1 and any(s.style == "vocab_head" for s in plan.tp.values()):
         loss_fn = tp_loss(plan.sizes(model)["vocab_size"], comm, mesh.tp_group, loss_fn)

@@ -68,7 +68,9 @@ def optimizer_kernel(params: list, kernel: str) -> dict:
     (DTensor parameters, a PyTorch peer's tensor parallelism, among them).
     Fused and loop agree to float rounding (the same formula, element by element); on this
     CPU fused AdamW stepped the 57M GPT in 41 ms against 370 ms for the loop (torch's CPU
-    default). ``foreach``: one op per kind over all tensors. ``loop``: a tensor at a time."""
+    default). ``foreach``: one op per kind over all tensors. ``loop``: a tensor at a time.
+    A meta tensor counts as fusable: it is a parameter not made yet (ZeRO-3 probes the factory on
+    a meta-device model's parameters, then builds the optimizer on its CPU or CUDA masters)."""
     if kernel == "loop":
         return {"foreach": False}
     if kernel == "foreach":
@@ -79,7 +81,8 @@ def optimizer_kernel(params: list, kernel: str) -> dict:
     fusable = bool(tensors) and all(
         isinstance(p, torch.Tensor) and p.is_floating_point()
         and not (dtensor is not None and isinstance(p, dtensor.DTensor))     # fused takes none
-        and not p.is_sparse and p.device.type in _get_fused_kernels_supported_devices()
+        and not p.is_sparse
+        and (p.is_meta or p.device.type in _get_fused_kernels_supported_devices())
         for p in tensors)
     return {"fused": True} if fusable else {"foreach": True}
 

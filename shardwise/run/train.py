@@ -71,6 +71,14 @@ def lr_at(step: int, cfg: Config) -> float:
     return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def init_mode(cfg: Config, plan) -> str:
+    """``model.init``, except that the model is built whole (eager) when something must be read
+    into the whole plain model first: a resume that reshards, or ``--hf-weights``."""
+    if cfg.model.hf_weights or (plan is not None and not plan.exact):
+        return "eager"
+    return cfg.model.init
+
+
 def run_dir(cfg: Config) -> str:
     return rundir.path(cfg)
 
@@ -96,7 +104,7 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     if plan is not None and rt.is_main and not quiet:
         print(plan.line(), flush=True)
     data = build_data(cfg)
-    model = build_model(cfg.model, cfg.train.seed)
+    model = build_model(cfg.model, cfg.train.seed, init=init_mode(cfg, plan))
     checkpoint.restore_model(model, plan)            # a reshard: into the plain model
     flops_per_item = model.flops_per_token() if hasattr(model, "flops_per_token") else None
     # the strategy is built for the steps this run still takes (the ps counts its messages)

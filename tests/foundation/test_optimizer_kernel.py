@@ -51,8 +51,11 @@ def test_fused_and_foreach_equal_the_loop():
 
 
 def test_fused_falls_back_to_foreach_where_torch_has_no_fused_kernel():
-    meta = [torch.nn.Parameter(torch.empty(3, device="meta"))]
-    assert optimizer_kernel(meta, "fused") == {"foreach": True}
+    ints = [torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)]
+    assert optimizer_kernel(ints, "fused") == {"foreach": True}      # no fused integer step
+    # a meta tensor is a parameter not made yet (ZeRO-3's probe): fused, as it will be
+    assert optimizer_kernel([torch.nn.Parameter(torch.empty(3, device="meta"))], "fused") == \
+        {"fused": True}
     assert optimizer_kernel([torch.nn.Parameter(torch.zeros(3))], "fused") == {"fused": True}
     assert optimizer_kernel([{"params": [torch.nn.Parameter(torch.zeros(3))]}], "fused") == \
         {"fused": True}

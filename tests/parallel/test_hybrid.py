@@ -149,11 +149,14 @@ def test_mixed_precision_runs_under_tp_and_pp(strategy, parallel):
 # -- the user's view: seeds differ per rank, two parameter groups, clipping, zero_grad ---------
 # Reference: rank 0's model (seed SEED) trained plainly on the whole batch with the same AdamW
 # groups and torch.nn.utils.clip_grad_norm_; max_norm is half the smallest unclipped norm.
-# lr 1e-3, constant (no warmup): at step 0 blocks.0.mlp.fc.weight[98, 22] gets -1.3e-8, a
-# cancellation of terms ~1e-3 whose last bits depend on the summation order; Adam's first update
-# is lr * g / (|g| + eps), ~0.56 lr, so reordering moves it by ~4e-3 lr: 1.3e-5 at lr 3e-3 (over
-# ATOL, tests/reference.py's Adam case), ~4e-6 at 1e-3.
-SEED, USER_STEPS, USER_LR = 100, 6, 1e-3
+# lr 1e-3, constant (no warmup). Adam's first update is lr * g / (|g| + eps): an element whose
+# step-0 gradient is a cancellation of terms ~1e-3 down to ~1e-8 (whose last bits depend on the
+# summation order) moves by up to ~1e-2 lr between orders, over ATOL (tests/reference.py's Adam
+# case) once it falls to ~1e-9. Seed 100 under the per-module init (models/init.py) gives
+# blocks.0.mlp.fc.weight[53, 27] 1.4e-9 (1.5e-5 apart under dp 2 x tp 2); seed 107's smallest
+# is 6.8e-9, in attn.qkv's key rows, whose terms are themselves small (the old init's seed 100
+# had -1.3e-8 at [98, 22]: ~4e-6).
+SEED, USER_STEPS, USER_LR = 107, 6, 1e-3
 
 
 def _groups(ps):

@@ -28,7 +28,11 @@ def _cfg(strategy, steps=20, optimizer="adam", memory=None, data=None, **paralle
     4) and ~6 KB buckets (the 1809-element head alone in one; many buckets, each padded)."""
     parallel.setdefault("bucket_mb", 0.006)
     cfg = tiny_config(strategy, steps=steps, **parallel)
-    cfg = replace(cfg, train=replace(cfg.train, optimizer=optimizer),
+    # seed 1: seed 0's init (models/init.py) gives blocks.0.ln_2.bias[0] a first gradient of
+    # 6.7e-9, the two ranks' halves (+-7.37e-4) cancelling; Adam's first step is lr g / (|g| +
+    # 1e-8), whose slope at |g| ~ eps turns the sum's last-bit reordering into 2.2e-5 (ATOL's
+    # own mechanism, at its worst case), the same on the eager and the meta path
+    cfg = replace(cfg, train=replace(cfg.train, optimizer=optimizer, seed=1),
                   model=replace(cfg.model, n_embd=27, n_head=3))
     if memory:
         cfg = replace(cfg, memory=MemoryConfig(**memory))

@@ -84,7 +84,10 @@ class DDPStrategy(Strategy):
         self._sync, self._next, self._synced = True, 0, False
 
     def _broadcast_state(self) -> None:
-        """Every replica starts from dp member 0's parameters and buffers."""
+        """Every replica starts from dp member 0's parameters and buffers (unless they were all
+        made from the seed: ``deterministic_start``)."""
+        if self.deterministic_start:
+            return
         broadcast_coalesced(self.comm, [*self.model.parameters(), *self.model.buffers()], 0,
                             self.group, name="ddp_broadcast")
 

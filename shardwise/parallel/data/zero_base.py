@@ -20,7 +20,9 @@ never communicated after the start, never stepped and hold no optimizer state (b
 unchanged, whatever the weight decay). Stage 3 does not shard them either.
 
 Start: dp rank 0's parameters and buffers are broadcast before anything is sharded, so ranks
-that initialised differently train identically. Buffers (e.g. BatchNorm running statistics) are
+that initialised differently train identically; not when every rank made them from the seed (a
+meta-device build, models/init.py: ``deterministic_start``), where ZeRO-3 makes one unit at a time,
+keeps its shard and drops the rest, so no rank ever holds the whole model. Buffers (e.g. BatchNorm running statistics) are
 broadcast from dp rank 0 after every step: they follow rank 0's shard statistics, as torch DDP's
 ``broadcast_buffers`` does. The optimizer is stepped one chunk at a time (the other masters'
 ``.grad`` are None, so torch.optim skips them): the math equals one step over all of them, the
@@ -83,6 +85,7 @@ class Chunk:
 class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
     """The parts of ZeRO every stage shares; subclasses build chunks and move gradients."""
     stage = 0
+    materializer = None   # ZeRO-3 on a meta-device model: its units are made as they are sharded
 
     def __init__(self, cfg, mesh, comm, device, loss_fn):
         super().__init__(cfg, mesh, comm, device, loss_fn)
@@ -103,11 +106,18 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
 
     # -- building chunks ------------------------------------------------------------------
     def _adopt(self, model: nn.Module, optimizer_factory) -> list[nn.Parameter]:
-        """Take the model, start every rank from dp rank 0's state, learn the user's parameter
-        groups; return the trainable parameters (frozen ones stay plain, whole tensors)."""
-        self.model = model.to(self.device)
-        broadcast_coalesced(self.comm, [*self.model.parameters(), *self.model.buffers()], 0,
-                            self.group, name="zero_broadcast")
+        """Take the model, start every rank from dp rank 0's state (unless every rank made it
+        from the seed: ``deterministic_start``), learn the user's parameter groups; return the
+        trainable parameters (frozen ones stay plain, whole tensors). ZeRO-3 on a meta-device
+        model (``materializer``): buffers and frozen weights, kept whole, are made now; the
+        trainable ones stay on the meta device until their unit is sharded (zero_stage3.py)."""
+        if self.materializer is not None:
+            self.materializer.fill([*model.buffers(),
+                                    *(p for p in model.parameters() if not p.requires_grad)])
+        self.model = model._apply(lambda t: t if t.is_meta else t.to(self.device))
+        if not self.deterministic_start:
+            broadcast_coalesced(self.comm, [*self.model.parameters(), *self.model.buffers()], 0,
+                                self.group, name="zero_broadcast")
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._groups = ParamGroups.probe(optimizer_factory, named)
         self.frozen = [p for p in self.model.parameters() if not p.requires_grad]
@@ -123,11 +133,13 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         params = sorted(params, key=self._groups.index.__getitem__)   # stable: one run a group
         layout = FlatLayout.of(params, self.group.size)
         rank = self.group.rank
-        fp32 = layout.new_flat([p.detach() for p in params], torch.float32, self.device)
         if full_sharded:   # stage 3: own a copy of the shard; the whole chunk is gathered on use
+            own = _own_slice(layout, params, rank, self.device)   # not the whole flat copy
             full = torch.empty(layout.padded, dtype=self.dtype, device=self.device)
-            shard = layout.shard(fp32, rank).to(self.dtype, copy=True)
+            shard = own if self.dtype == torch.float32 else own.to(self.dtype)
         else:
+            fp32 = layout.new_flat([p.detach() for p in params], torch.float32, self.device)
+            own = layout.shard(fp32, rank)
             full = fp32 if self.dtype == torch.float32 else fp32.to(self.dtype)
             shard = layout.shard(full, rank)
         for p, view in zip(params, layout.views(full)):
@@ -136,7 +148,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
             master = shard                               # the shard itself: no copy in fp32
         else:
             master = self.store.zeros(layout.shard_numel, pin=True)   # copied each step
-            master.copy_(layout.shard(fp32, rank))       # from fp32 weights, before any cast
+            master.copy_(own)                            # from fp32 weights, before any cast
         groups = [self._groups.index[p] for p in params]
         masters = [(g, lo, hi, nn.Parameter(master[lo:hi]))
                    for g, lo, hi in shard_runs(layout, groups, rank)]
@@ -315,6 +327,20 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
             return super().evaluate(x, y)
         finally:
             self._ag_name = "zero_param_ag"
+
+
+@torch.no_grad()
+def _own_slice(layout: FlatLayout, params: list, rank: int, device) -> torch.Tensor:
+    """Rank's slice of the chunk's flat fp32 layout (padding 0), copied from the parameters
+    that overlap it: equal to ``layout.shard(layout.new_flat(params, fp32), rank)`` without
+    the whole flat copy (ZeRO-3's set-up then holds one unit, not two)."""
+    lo, hi = layout.shard_range(rank)
+    out = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+    for p, offset in zip(params, layout.offsets):
+        a, b = max(offset, lo), min(offset + p.numel(), hi)
+        if a < b:
+            out[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - offset:b - offset])
+    return out
 
 
 def _cast(t, dtype: torch.dtype):

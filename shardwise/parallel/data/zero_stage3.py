@@ -53,24 +53,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from shardwise.comm.flat import alloc_storage, free_storage, storage_bytes
-from shardwise.models.plans import block_class_names
+from shardwise.models.plans import CONTAINERS, block_class, block_class_names  # noqa: F401 (block_class re-exported)
 from shardwise.parallel.data.zero_base import Chunk, ZeroBase
 
 FREE, INFLIGHT, HELD = "free", "inflight", "held"
-CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-def block_class(model: nn.Module) -> str | None:
-    """The largest repeated module class: occurs >= 2 times, most parameters per instance."""
-    counts, sizes = Counter(), {}
-    for m in model.modules():
-        if isinstance(m, CONTAINERS) or m is model:
-            continue
-        name = type(m).__name__
-        counts[name] += 1
-        sizes[name] = max(sizes.get(name, 0), sum(p.numel() for p in m.parameters()))
-    repeated = [n for n, k in counts.items() if k >= 2 and sizes[n] > 0]
-    return max(repeated, key=lambda n: sizes[n]) if repeated else None
 
 
 def split_units(model: nn.Module, classes: list[str] | None = None,
@@ -157,6 +143,8 @@ class Zero3Strategy(ZeroBase):
         self.units = split_units(self.model, classes, trainable_only=True)
         self._rs_async = reduce_scatter_async(self.overlap, self.device)
         for index, (module, params) in enumerate(self.units):
+            if self.materializer is not None:   # a meta-device model: make this unit now
+                self.materializer.fill(params)  # (its whole weights, dropped once sharded)
             c = self._make_chunk(params, full_sharded=True)
             free_storage(c.full)
             c.grad_shard = c.shard.new_zeros(c.shard.shape)
