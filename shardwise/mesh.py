@@ -89,6 +89,8 @@ class Mesh:
     rank: int
     world: Group
     groups: tuple[tuple[str, Group], ...]
+    flattened: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Axes made of adjacent axes (HSDP: dp = dp_replicate x dp_shard), with a group each."""
 
     # -- any axis ---------------------------------------------------------------------------
     @property
@@ -96,9 +98,16 @@ class Mesh:
         return dict(self.sizes)
 
     def size(self, axis: str) -> int:
-        return self.shape.get(axis, 1)
+        parts = dict(self.flattened).get(axis)
+        return prod(self.size(a) for a in parts) if parts else self.shape.get(axis, 1)
 
     def coord(self, axis: str) -> int:
+        parts = dict(self.flattened).get(axis)
+        if parts:                             # row-major over the parts, the last innermost
+            index = 0
+            for a in parts:
+                index = index * self.size(a) + self.coord(a)
+            return index
         return coords_in(self.rank, self.shape).get(axis, 0)
 
     def group(self, axis: str) -> Group:
@@ -152,9 +161,34 @@ class Mesh:
         return Mesh(tuple((a, 1) for a in AXES), 0, Group.solo(), ())
 
     @staticmethod
-    def build(pp: int = 1, dp: int = 1, tp: int = 1, timeout=None) -> "Mesh":
-        """The classic pp x dp x tp mesh (tp innermost) on the initialised process group."""
+    def build(pp: int = 1, dp: int = 1, tp: int = 1, timeout=None, dp_shard: int = 0) -> "Mesh":
+        """The classic pp x dp x tp mesh (tp innermost) on the initialised process group. With
+        ``0 < dp_shard < dp`` (HSDP) the dp axis is two, dp_replicate x dp_shard (shard inner:
+        a shard group is dp_shard consecutive dp ranks, on one node when a node holds them;
+        a replica group spans the shard groups), and ``dp`` is their flattened product."""
+        if 0 < dp_shard < dp:
+            sizes = {"pp": pp, "dp_replicate": dp // dp_shard, "dp_shard": dp_shard, "tp": tp}
+            return Mesh.from_sizes(sizes, timeout).flatten("dp", ("dp_replicate", "dp_shard"),
+                                                           timeout)
         return Mesh.from_sizes({"pp": pp, "dp": dp, "tp": tp}, timeout)
+
+    def flatten(self, name: str, parts: tuple[str, ...], timeout=None) -> "Mesh":
+        """This mesh with one more axis group, ``name``, over the adjacent axes ``parts``
+        (every rank that shares the other axes' coordinates). Collective: every rank builds
+        every such group, in the same order."""
+        shape = self.shape
+        others = [a for a in shape if a not in parts]
+        mine = Group.solo(self.rank)
+        if prod(shape[a] for a in parts) > 1:
+            for fixed in product(*(range(shape[a]) for a in others)):
+                where = dict(zip(others, fixed))
+                members = tuple(rank_in({**where, **dict(zip(parts, idx))}, shape)
+                                for idx in product(*(range(shape[a]) for a in parts)))
+                pg = dist.new_group(list(members), timeout=timeout)
+                if self.rank in members:
+                    mine = Group(pg, members, members.index(self.rank))
+        return Mesh(self.sizes, self.rank, self.world, (*self.groups, (name, mine)),
+                    (*self.flattened, (name, parts)))
 
     @staticmethod
     def from_sizes(sizes: Mapping[str, int], timeout=None) -> "Mesh":

@@ -123,6 +123,11 @@ class ParallelConfig:
                          "(ddp 0, zeroN N, tp / pp / 3d 0)")
     zero1_over_dp: bool = _f(False, "3d: shard optimizer states over the dp axis (the same as "
                              "--zero-stage 1)")
+    dp_shard: int = _f(0, "HSDP (ZeRO stages 1-3): ranks that shard the model inside each "
+                       "replica group; the dp ranks form dp / dp_shard replica groups that "
+                       "all-reduce their gradient shards; 0 = shard over all of dp")
+    dp_replicate: int = _f(0, "HSDP: replica groups (dp_replicate x dp_shard = the dp size; "
+                           "give either or both); 0 = dp / dp_shard")
     num_ps: int = _f(1, "parameter server: number of ps tasks")
     num_workers: int = _f(0, "parameter server: number of worker tasks; 0 = world - num_ps")
     ps_mode: str = _f("sync", "parameter server update rule", ("sync", "async", "ssp"))

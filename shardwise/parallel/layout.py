@@ -84,7 +84,7 @@ def reads(cfg: Config) -> dict[str, bool]:
 
 def check_components(cfg: Config, world_size: int, dp: int) -> None:
     """Every component's own checks of its own settings (validate.py calls this)."""
-    data_checks.check(cfg, world_size, zero_stage(cfg))
+    data_checks.check(cfg, world_size, zero_stage(cfg), dp)
     tensor_checks.check(cfg, world_size)
     pipeline_checks.check(cfg, world_size, dp)
     ps_checks.check(cfg, world_size)
@@ -113,6 +113,7 @@ def check_model_names(cfg: Config) -> None:
 WHERE_READ = {
     "offload": "--zero-stage 1, 2 or 3", "offload_dir": "--offload disk",
     "bucket_mb": "--zero-stage 0, 1 or 2",
+    "dp_shard": "--zero-stage 1, 2 or 3", "dp_replicate": "--zero-stage 1, 2 or 3",
     "overlap": "ddp, zeroN, tp, pp or 3d",
     "allreduce": "ddp, zeroN, tp, pp or 3d (shm: --zero-stage 0, whose all-reduce it serves)", "find_unused": "--zero-stage 0 (without --pp)",
     "grad_compression": "--zero-stage 0",

@@ -96,6 +96,16 @@ def collective_seconds(cfg: Config) -> float:
     return seconds
 
 
+def _dp_shard(cfg: Config, dp: int) -> int:
+    """HSDP's shard size over a dp axis of ``dp`` (0: not HSDP), for ZeRO stages 1-3 only."""
+    from shardwise.parallel.data.checks import hsdp
+    from shardwise.parallel.layout import zero_stage
+    if zero_stage(cfg) < 1 or cfg.parallel.strategy == "ps":
+        return 0
+    replicate, shard = hsdp(cfg, dp)
+    return shard if replicate > 1 else 0
+
+
 def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) -> Runtime:
     """Join the launcher's world (if any) and build the (pp, dp, tp) mesh for ``cfg``.
 
@@ -126,7 +136,7 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
         p = cfg.parallel
         mesh_sizes = (1, world_size, 1) if p.strategy == "ps" else (p.pp, resolve_dp(cfg, world_size), p.tp)
     timeout = timedelta(seconds=collective_seconds(cfg)) if world_size > 1 else None
-    mesh = Mesh.build(*mesh_sizes, timeout=timeout)
+    mesh = Mesh.build(*mesh_sizes, timeout=timeout, dp_shard=_dp_shard(cfg, mesh_sizes[1]))
     # SHARDWISE_CHECK_DEVICES=1: every collective checks its tensors' devices (debug mode)
     comm = Comm(CommMeter(), timeout=timeout, spin=spins(cfg.train.comm_wait, device, world_size),
                 device=device, check_devices=os.environ.get("SHARDWISE_CHECK_DEVICES") == "1")

@@ -9,6 +9,8 @@ pure, so the launcher runs it before any process starts. Which stage reads what:
     zero3_units        stage 3
     offload            stages 1-3; offload_dir with offload = disk
     zero1_over_dp      a pipeline's old name for --zero-stage 1
+    dp_shard,          stages 1-3 (HSDP: shard inside groups of dp_shard ranks, all-reduce the
+    dp_replicate       gradient shards across the dp_replicate groups)
 
 The component is the same with or without a pipeline (parallel/compose.py), so it reads the
 same settings; only ``find_unused`` differs.
@@ -31,11 +33,36 @@ def reads(cfg: Config, stage: int) -> dict[str, bool]:
         "zero3_units": composed and stage == 3, "offload": composed and stage >= 1,
         "offload_dir": composed and stage >= 1 and cfg.memory.offload == "disk",
         "zero1_over_dp": composed and p.pp > 1,
+        "dp_shard": composed and stage >= 1, "dp_replicate": composed and stage >= 1,
     }
 
 
-def check(cfg: Config, world_size: int, stage: int) -> None:
-    """Class names for ZeRO-3's units must be identifiers."""
+def hsdp(cfg: Config, dp: int) -> tuple[int, int]:
+    """(replicate, shard) sizes of the dp axis: (1, dp) without HSDP. Raises ConfigError when
+    the given sizes do not multiply to ``dp``."""
+    p = cfg.parallel
+    for name in ("dp_shard", "dp_replicate"):
+        if getattr(p, name) < 0:
+            raise ConfigError(f"parallel.{name}", getattr(p, name), "is negative",
+                              "give a positive size, or 0 (not HSDP)")
+    if not p.dp_shard and not p.dp_replicate:
+        return 1, dp
+    shard = p.dp_shard or (dp // p.dp_replicate if dp % p.dp_replicate == 0 else 0)
+    replicate = p.dp_replicate or (dp // p.dp_shard if dp % p.dp_shard == 0 else 0)
+    if shard * replicate != dp:
+        field = "dp_replicate" if p.dp_replicate else "dp_shard"
+        raise ConfigError(f"parallel.{field}", getattr(p, field),
+                          f"--dp-replicate {p.dp_replicate or '?'} x --dp-shard "
+                          f"{p.dp_shard or '?'} does not make the dp size {dp}",
+                          f"give sizes whose product is {dp} (e.g. --dp-replicate 2 --dp-shard "
+                          f"{max(1, dp // 2)})")
+    return replicate, shard
+
+
+def check(cfg: Config, world_size: int, stage: int, dp: int | None = None) -> None:
+    """Class names for ZeRO-3's units must be identifiers; HSDP's sizes make the dp size."""
+    if dp is not None and stage >= 1:
+        hsdp(cfg, dp)
     names = [c.strip() for c in cfg.parallel.zero3_units.split(",") if c.strip()]
     bad = [c for c in names if not c.isidentifier()]
     if stage == 3 and bad:

@@ -89,7 +89,10 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
 
     def __init__(self, cfg, mesh, comm, device, loss_fn):
         super().__init__(cfg, mesh, comm, device, loss_fn)
-        self.group = mesh.dp_group
+        # HSDP (mesh.build's dp_shard): shard over the shard group, all-reduce the reduced
+        # gradient shards over the replica group; else the whole dp axis shards, no replicas
+        self.group = mesh.group("dp_shard") if "dp_shard" in mesh.shape else mesh.dp_group
+        self.replicas = mesh.group("dp_replicate")
         self.dtype = DTYPES.get(cfg.memory.mixed_precision, torch.float32)   # "no": fp32
         self.overlap = cfg.parallel.overlap
         self.chunks: list[Chunk] = []
@@ -117,7 +120,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         self.model = model._apply(lambda t: t if t.is_meta else t.to(self.device))
         if not self.deterministic_start:
             broadcast_coalesced(self.comm, [*self.model.parameters(), *self.model.buffers()], 0,
-                                self.group, name="zero_broadcast")
+                                self.mesh.dp_group, name="zero_broadcast")
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._groups = ParamGroups.probe(optimizer_factory, named)
         self.frozen = [p for p in self.model.parameters() if not p.requires_grad]
@@ -202,8 +205,20 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
 
     # -- collectives ---------------------------------------------------------------------
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool):
-        """out = the group's average of slice ``rank`` of ``inp`` (inp may be overwritten)."""
-        return self.collectives.reduce_scatter(out, inp, async_op, "zero_grad_rs")
+        """out = the dp axis's average of slice ``rank`` of ``inp`` (inp may be overwritten):
+        the shard group's reduce-scatter, then, under HSDP, an all-reduce of the shard over the
+        replica group (1/S of the bucket, on the waiter's thread once the first is done)."""
+        work = self.collectives.reduce_scatter(out, inp, async_op, "zero_grad_rs")
+        if self.replicas.size == 1:
+            return work
+
+        def across_replicas() -> None:
+            self.comm.all_reduce(out, self.replicas, op="avg", name="hsdp_grad_ar")
+        if not async_op:
+            work.wait()
+            across_replicas()
+            return work
+        return _Then(work, across_replicas)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
                     name: str | None = None):
@@ -341,6 +356,21 @@ def _own_slice(layout: FlatLayout, params: list, rank: int, device) -> torch.Ten
         if a < b:
             out[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - offset:b - offset])
     return out
+
+
+class _Then:
+    """A launched collective, then another once it is done (in ``wait``)."""
+
+    def __init__(self, work, then):
+        self.work, self.then = work, then
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.then is not None:
+            self.then()
+            self.then = None
 
 
 def _cast(t, dtype: torch.dtype):
