@@ -32,7 +32,7 @@ from collections import deque
 import torch
 
 from shardwise.comm import shm
-from shardwise.comm.collectives import Comm, CollectiveError, Group
+from shardwise.comm.collectives import SKIPPED, Comm, CollectiveError, Group
 
 CAPACITY = 4 << 20
 _LINE = 64

@@ -170,7 +170,7 @@ def test_a_world_someone_else_started(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(runtime.Mesh, "build", staticmethod(lambda *sizes: sizes))  # no groups
+    monkeypatch.setattr(runtime.Mesh, "build", staticmethod(lambda *sizes, **kw: sizes))  # no groups
     seen = []
     real = runtime.pick_device
     monkeypatch.setattr(runtime, "pick_device", lambda *a: seen.append(a) or real(*a))

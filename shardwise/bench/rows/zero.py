@@ -64,6 +64,22 @@ def fsdp2(rank, world, steps=STEPS, **parallel):
     return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, wrap=wrap, steps=steps - 2)}
 
 
+def fsdp2_hsdp(rank, world, steps=STEPS, dp_shard=2, **parallel):
+    """torch FSDP2 as HSDP: fully_shard on a 2-D DeviceMesh (replicate, shard), per block then
+    the root; the same replicate x shard split as ours."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world // dp_shard, dp_shard),
+                            mesh_dim_names=("replicate", "shard"))
+
+    def wrap(model):
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    cfg = gpt_bench_config("zero3")
+    return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, wrap=wrap, steps=steps - 2)}
+
+
 def torch_zero_redundancy(rank, world, steps=STEPS, **parallel):
     """torch DDP with ZeroRedundancyOptimizer(AdamW): PyTorch's ZeRO-1."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -127,6 +143,8 @@ ROWS = [
     Row("zero3-ring-vs-fsdp2", zero3, fsdp2, world=2, args={"allreduce": "ring"}, goal=GOAL,
         peer_name=FSDP2),
     Row("zero3-vs-fsdp2-w4", zero3, fsdp2, world=4, args={}, goal=GOAL, peer_name=FSDP2),
+    Row("hsdp-vs-fsdp2-hsdp", zero3, fsdp2_hsdp, world=4, args={"dp_shard": 2}, goal=GOAL,
+        peer_name="torch FSDP2 on a 2-D DeviceMesh (replicate 2 x shard 2)"),
     # memory at 57M parameters (the whole six-way table: python -m shardwise.bench.memory)
     Row("zero3-memory-57m-vs-fsdp2", zero3_memory, fsdp2_memory, world=2,
         args={"steps": 4, "batch": 4}, quick_args={"steps": 3}, goal="peak RSS <= 1.05x FSDP2",
