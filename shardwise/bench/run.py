@@ -88,19 +88,24 @@ def machine() -> dict:
 
 @functools.lru_cache(maxsize=1)
 def dirty() -> bool | None:
-    """Whether the checkout had uncommitted changes to tracked files when this process first
-    asked (before a run writes its own results, which may be tracked files: docs/bench/);
+    """Whether the checkout had uncommitted changes to tracked files, results folders
+    (RESULT_PATHS) aside, when this process first asked;
     SHARDWISE_DIRTY=0/1 when a copy of the tree says so itself; None where no git answers."""
     if os.environ.get("SHARDWISE_DIRTY") in ("0", "1"):
         return os.environ["SHARDWISE_DIRTY"] == "1"
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        done = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+        done = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no",
+                               "--", ".", *(f":(exclude){p}" for p in RESULT_PATHS)],
                               capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() != "" if done.returncode == 0 else None
+
+
+RESULT_PATHS = ("shardwise/bench/results", "docs/bench")
+"""Where runs write their results: a changed result is not a change to the code that ran."""
 
 
 def commit() -> str | None:
@@ -114,6 +119,19 @@ def commit() -> str | None:
     while True:
         git = os.path.join(folder, ".git")
         if os.path.isdir(git):
+            common = git
+            break
+        if os.path.isfile(git):          # a git worktree: ".git" names its own git folder
+            try:
+                line = open(git).read().strip()
+            except OSError:
+                return None
+            if not line.startswith("gitdir: "):
+                return None
+            git = os.path.join(folder, line[len("gitdir: "):])
+            common_file = os.path.join(git, "commondir")   # refs live in the main repository
+            common = os.path.join(git, open(common_file).read().strip()) \
+                if os.path.exists(common_file) else git
             break
         parent = os.path.dirname(folder)
         if parent == folder:
@@ -124,10 +142,11 @@ def commit() -> str | None:
         if not head.startswith("ref: "):
             return head[:7] or None
         ref = head[5:]
-        path = os.path.join(git, ref)
-        if os.path.exists(path):
-            return open(path).read().strip()[:7] or None
-        with open(os.path.join(git, "packed-refs")) as fh:
+        for base in (git, common):
+            path = os.path.join(base, ref)
+            if os.path.exists(path):
+                return open(path).read().strip()[:7] or None
+        with open(os.path.join(common, "packed-refs")) as fh:
             for line in fh:
                 if line.rstrip().endswith(" " + ref):
                     return line.split()[0][:7]
