@@ -107,6 +107,7 @@ def check_model_names(cfg: Config) -> None:
 # what to change so that a refused setting is read (validate.check_ignored's fix)
 WHERE_READ = {
     "offload": "--zero-stage 1, 2 or 3", "offload_dir": "--offload disk",
+    "offload_params": "--zero-stage 3 with --offload cpu or disk",
     "bucket_mb": "--zero-stage 0, 1 or 2",
     "overlap": "ddp, zeroN, tp, pp or 3d",
     "allreduce": "ddp, zeroN, tp, pp or 3d (shm: --zero-stage 0, whose all-reduce it serves)", "find_unused": "--zero-stage 0 (without --pp)",

@@ -8,6 +8,7 @@ pure, so the launcher runs it before any process starts. Which stage reads what:
     grad_compression   stage 0
     zero3_units        stage 3
     offload            stages 1-3; offload_dir with offload = disk
+    offload_params     stage 3 with offload cpu or disk
     zero1_over_dp      a pipeline's old name for --zero-stage 1
 
 The component is the same with or without a pipeline (parallel/compose.py), so it reads the
@@ -30,18 +31,38 @@ def reads(cfg: Config, stage: int) -> dict[str, bool]:
         "grad_compression": composed and stage == 0,
         "zero3_units": composed and stage == 3, "offload": composed and stage >= 1,
         "offload_dir": composed and stage >= 1 and cfg.memory.offload == "disk",
+        "offload_params": composed and stage == 3 and cfg.memory.offload != "none",
         "zero1_over_dp": composed and p.pp > 1,
     }
 
 
 def check(cfg: Config, world_size: int, stage: int) -> None:
-    """Class names for ZeRO-3's units must be identifiers."""
+    """Class names for ZeRO-3's units must be identifiers; parameters are offloaded only by
+    ZeRO-3 and only to a place ``offload`` names."""
+    check_offload_params(cfg, stage)
     names = [c.strip() for c in cfg.parallel.zero3_units.split(",") if c.strip()]
     bad = [c for c in names if not c.isidentifier()]
     if stage == 3 and bad:
         raise ConfigError("parallel.zero3_units", cfg.parallel.zero3_units,
                           f"{bad[0]!r} is not a class name", "give module class names, e.g. "
                           "'Block' or 'GPT2Block,LlamaDecoderLayer'")
+
+
+def check_offload_params(cfg: Config, stage: int) -> None:
+    """``offload_params`` needs ZeRO-3 (the only stage whose parameters are shards) and an
+    ``offload`` place to move them to (the place of the masters and optimizer states)."""
+    m = cfg.memory
+    if not m.offload_params:
+        return
+    composed = cfg.parallel.strategy in COMPOSED
+    if composed and stage == 3 and m.offload != "none":
+        return
+    what = f"the run is ZeRO-{stage}" if composed and stage >= 0 else \
+        f"the run is {cfg.parallel.strategy}"
+    why = ("there is no --offload place to move them to" if composed and stage == 3 else
+           f"only ZeRO-3 keeps parameters as shards to offload ({what})")
+    raise ConfigError("memory.offload_params", True, why, "use --zero-stage 3 (or --strategy "
+                      "zero3) with --offload cpu or disk, or drop --offload-params")
 
 
 class UnusedParameters(ConfigError, RuntimeError):

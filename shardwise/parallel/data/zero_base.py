@@ -92,6 +92,12 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         self.chunks: list[Chunk] = []
         self.store = OffloadStore(cfg.memory.offload, device, cfg.memory.offload_dir,
                                   tag=f"rank{mesh.rank}")
+        # --offload-params (stage 3): parameter shards live in the store; reduced gradients
+        # too, unless the store is this CPU run's own memory (then they stay transient)
+        self.params_offloaded = (self.stage == 3 and cfg.memory.offload_params
+                                 and self.store.place != "none")
+        self.grads_offloaded = self.params_offloaded and (self.store.place == "disk"
+                                                          or device.type != "cpu")
         self._syncing = True
         self._ag_name = "zero_param_ag"
         self._init_ledger()                            # transient buffers (zero_ledger.py)
@@ -126,13 +132,17 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         fp32 = layout.new_flat([p.detach() for p in params], torch.float32, self.device)
         if full_sharded:   # stage 3: own a copy of the shard; the whole chunk is gathered on use
             full = torch.empty(layout.padded, dtype=self.dtype, device=self.device)
-            shard = layout.shard(fp32, rank).to(self.dtype, copy=True)
+            if self.params_offloaded:              # in the store (pinned host memory on CUDA)
+                shard = self.store.zeros(layout.shard_numel, self.dtype, pin=True)
+                shard.copy_(layout.shard(fp32, rank))
+            else:
+                shard = layout.shard(fp32, rank).to(self.dtype, copy=True)
         else:
             full = fp32 if self.dtype == torch.float32 else fp32.to(self.dtype)
             shard = layout.shard(full, rank)
         for p, view in zip(params, layout.views(full)):
             p.data = view
-        if self.dtype == torch.float32 and self.store.place == "none":
+        if self.dtype == torch.float32 and (self.store.place == "none" or self.params_offloaded):
             master = shard                               # the shard itself: no copy in fp32
         else:
             master = self.store.zeros(layout.shard_numel, pin=True)   # copied each step
@@ -276,10 +286,25 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
     def _after_chunk_step(self, index: int) -> None:
         """Stages 1-2 launch the chunk's all-gather here."""
 
+    def _chunk_state(self, c: Chunk) -> list[torch.Tensor]:
+        """The chunk's tensors the step reads and writes: master, shard, gradient shard and
+        every optimizer state of its master views (what the disk tier reads ahead and drops)."""
+        out = [c.master, c.shard, c.grad_shard]
+        for _, _, _, view in c.masters:
+            out += [v for v in self.optimizer.state.get(view, {}).values()
+                    if torch.is_tensor(v) and v.dim() > 0]
+        return out
+
     @torch.no_grad()
     def _optimizer_step(self) -> None:
-        """Phase 2 of 3: update each chunk's masters, copy into the shard, start its gather."""
+        """Phase 2 of 3: update each chunk's masters, copy into the shard, start its gather.
+        With disk offload the next chunk's state is read in on the store's thread while this
+        chunk steps, and each stepped chunk is written back there (memory/offload.py)."""
+        if self.chunks:
+            self.store.prefetch(self._chunk_state(self.chunks[0]))
         for i, c in enumerate(self.chunks):
+            if i + 1 < len(self.chunks):
+                self.store.prefetch(self._chunk_state(self.chunks[i + 1]))
             g = self._master_grad(c)
             for _, lo, hi, view in c.masters:
                 view.grad = g[lo:hi]
@@ -292,7 +317,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
                 states += [v for v in state.values() if torch.is_tensor(v)]
             if c.master.data_ptr() != c.shard.data_ptr():   # fp32 -> working dtype / device
                 self.store.to_device(c.shard, c.master)       # non-blocking on CUDA
-            self.store.release([c.master, *states])
+            self.store.release([c.master, c.shard, c.grad_shard, *states])
             self._after_chunk_step(i)
         self.store.wait_copies()        # the masters may be written again (offload.py)
 

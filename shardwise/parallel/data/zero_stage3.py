@@ -159,8 +159,12 @@ class Zero3Strategy(ZeroBase):
         for index, (module, params) in enumerate(self.units):
             c = self._make_chunk(params, full_sharded=True)
             free_storage(c.full)
-            c.grad_shard = c.shard.new_zeros(c.shard.shape)
-            free_storage(c.grad_shard)        # alive from its reduce-scatter to the step
+            if self.grads_offloaded:          # reduced straight into the store (offload.py)
+                c.grad_shard = self.store.zeros(c.layout.shard_numel, self.dtype, pin=True)
+            else:
+                c.grad_shard = torch.zeros(c.shard.shape, dtype=self.dtype, device=self.device)
+                free_storage(c.grad_shard)    # alive from its reduce-scatter to the step
+            self.store.release([c.shard, c.grad_shard])   # disk: out of RAM until gathered
             c.extra.update(state=FREE, work=None, index=index, backward=False)
             module.register_forward_pre_hook(self._pre_forward_hook(c))
             module.register_forward_hook(self._post_forward_hook(c))
@@ -175,7 +179,10 @@ class Zero3Strategy(ZeroBase):
         self._alloc("gathered", storage_bytes(c.full))
         c.extra["backend"] = self._backend_bytes(storage_bytes(c.full))   # gloo's own copy
         self._alloc("backend", c.extra["backend"])
-        c.extra["work"] = self._all_gather(c.full, c.shard, async_op=async_op)
+        src = c.shard
+        if src.device != self.device:         # offloaded from a GPU: to the device first
+            src = c.extra["src"] = src.to(self.device, non_blocking=True)
+        c.extra["work"] = self._all_gather(c.full, src, async_op=async_op)
         c.extra["state"] = INFLIGHT
 
     def _gather(self, c: Chunk) -> None:
@@ -188,8 +195,18 @@ class Zero3Strategy(ZeroBase):
         c.extra["work"].wait()
         self._release("backend", c.extra.pop("backend"))
         c.extra["work"], c.extra["state"] = None, HELD
+        c.extra.pop("src", None)
+        if self.params_offloaded:
+            self.store.release([c.shard])     # gathered: its pages may leave RAM again
 
     def _prefetch(self, index: int, backward: bool) -> None:
+        """Start the all-gather of unit ``index`` (the next in this direction); with disk
+        offload, read the shard of the unit after it in on the store's thread, so that its
+        gather finds it in memory."""
+        if self.params_offloaded:
+            ahead = index + (1 if self.overlap else 0) * (-1 if backward else 1)
+            if 0 <= ahead < len(self.chunks):
+                self.store.prefetch([self.chunks[ahead].shard])
         if self.overlap and 0 <= index < len(self.chunks):
             c = self.chunks[index]
             if not backward or c.extra["backward"]:
@@ -246,6 +263,9 @@ class Zero3Strategy(ZeroBase):
 
     # -- ledger ---------------------------------------------------------------------------
     def _param_bytes(self) -> int:
+        """Parameter shards held in memory (0 on disk: the ledger's ``on_disk`` has them)."""
+        if self.params_offloaded and self.store.place == "disk":
+            return 0
         return sum(storage_bytes(c.shard) for c in self.chunks)
 
     def _grad_bytes(self) -> int:
