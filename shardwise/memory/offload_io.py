@@ -6,25 +6,30 @@ a tensor of the disk store is a view of exactly one region. Its blocks are reser
 naming the file (``OSError(ENOSPC, ..., path)``), and never later as a SIGBUS on a write to a
 hole.
 
-:class:`DiskIO` runs the disk traffic on one thread (``ThreadPoolExecutor(max_workers=1)``, so
-jobs run in the order they were asked for) while the training thread computes:
+:class:`DiskIO` moves the pages on two background threads (each a
+``ThreadPoolExecutor(max_workers=1)``, so each runs its jobs in the order they were asked for),
+while the training thread computes:
 
-    prefetch(regions)     read the pages in and map them (``MADV_POPULATE_WRITE``): the next
-                          unit's parameter shard, the next chunk's master, gradient and optimizer
-                          states are resident before the training thread touches them
-    write_back(regions)   write the dirty pages to the file (``msync(MS_SYNC)``) and drop them
-                          from this process (``MADV_DONTNEED``: for a shared file mapping the
-                          data stays in the file; a later touch reads it back)
+    prefetch(regions)     reader: read the pages in and map them (``MADV_POPULATE_READ``): the
+                          next unit's parameter shard, the next chunk's master, gradient and
+                          optimizer states are resident before the training thread touches them
+                          (read-only: a page the step then writes is dirtied by that write, not
+                          by the read-ahead, so unchanged pages are never written back)
+    write_back(regions)   writer: write the dirty pages to the file (``msync(MS_SYNC)``) and drop
+                          them from this process (``MADV_DONTNEED``: for a shared file mapping
+                          the data stays in the file; a later touch reads it back)
 
-Both are calls into libc through ctypes, which releases the GIL, so the training thread runs
-on while the disk works. The queue is bounded (``max_pending`` jobs): asking for more waits for
-the oldest, so read-ahead never holds more than a few chunks resident. Correctness never waits
-on a job: a page the training thread touches before its prefetch finished is read in by the
-fault itself, and a page written after its write-back started is simply dirty again (the next
-write-back, or the kernel, writes it). :meth:`DiskIO.drain` waits for every job: before a
-checkpoint reads the state and when the store closes (the end of the run). A failed job (an I/O
-error, a full disk) is raised by the next call on the training thread as an ``OSError`` naming
-the file: one line (shardwise/launch/ranks.py's resource_error).
+Two threads, so a read-ahead never waits behind a slow write. Both are calls into libc through
+ctypes, which releases the GIL, so the training thread runs on while the disk works. Each queue
+is bounded (``max_pending`` jobs): asking for more waits for the oldest, so read-ahead never
+holds more than a few chunks resident and written pages cannot pile up in RAM when the disk is
+slower than the step. Correctness never waits on a job: a page the training thread touches
+before its prefetch finished is read in by the fault itself, and a page written after its
+write-back started is simply dirty again (the next write-back, or the kernel, writes it).
+:meth:`DiskIO.drain` waits for every job: before a checkpoint reads the state and when the
+store closes (the end of the run). A failed job (an I/O error, a full disk) is raised by the
+next call on the training thread as an :class:`OffloadIOError` naming the file: one line
+(shardwise/launch/ranks.py's resource_error).
 """
 from __future__ import annotations
 
@@ -39,10 +44,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 MS_SYNC = 4
-MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_WRITE = 3, 4, 23
+MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+class OffloadIOError(OSError):
+    """A disk-tier operation failed: ``OSError(errno, what failed, the file's path)``; shardwise
+    train prints it as one line (shardwise/launch/ranks.py)."""
 
 
 @dataclass(eq=False)
@@ -62,7 +72,7 @@ def map_file(directory: str, tag: str, nbytes: int) -> Region:
         try:
             os.posix_fallocate(fd, 0, length)
         except OSError as exc:
-            raise OSError(exc.errno, f"offload=disk: reserving {length:,} bytes failed "
+            raise OffloadIOError(exc.errno, f"offload=disk: reserving {length:,} bytes failed "
                           f"({exc.strerror})", path) from None
         mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -75,17 +85,17 @@ def map_file(directory: str, tag: str, nbytes: int) -> Region:
 def _call(fn, region: Region, arg: int, what: str) -> None:
     if fn(region.address, region.length, arg) != 0:
         code = ctypes.get_errno()
-        raise OSError(code, f"offload=disk: {what} failed ({os.strerror(code)})", region.path)
+        raise OffloadIOError(code, f"offload=disk: {what} failed ({os.strerror(code)})", region.path)
 
 
 def populate(regions: list[Region]) -> None:
-    """Read every page in and map it writable (``MADV_WILLNEED`` where the kernel is older
-    than 5.14 and has no ``MADV_POPULATE_WRITE``)."""
+    """Read every page in and map it (``MADV_WILLNEED`` where the kernel is older than 5.14
+    and has no ``MADV_POPULATE_READ``)."""
     for r in regions:
-        if _libc.madvise(r.address, r.length, MADV_POPULATE_WRITE) != 0:
+        if _libc.madvise(r.address, r.length, MADV_POPULATE_READ) != 0:
             code = ctypes.get_errno()
             if code not in (errno.EINVAL, errno.ENOSYS):
-                raise OSError(code, f"offload=disk: reading in failed ({os.strerror(code)})",
+                raise OffloadIOError(code, f"offload=disk: reading in failed ({os.strerror(code)})",
                               r.path)
             _call(_libc.madvise, r, MADV_WILLNEED, "reading in")
 
@@ -97,41 +107,52 @@ def sync_and_drop(regions: list[Region]) -> None:
         _call(_libc.madvise, r, MADV_DONTNEED, "dropping pages")
 
 
-class DiskIO:
-    """One background thread for the disk tier's page traffic (module docstring)."""
+class _Queue:
+    """One background thread and its bounded queue of jobs."""
 
-    def __init__(self, max_pending: int = 6):
+    def __init__(self, name: str, max_pending: int):
         self.max_pending = max_pending
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-offload")
-        self._pending: deque[Future] = deque()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shardwise-{name}")
+        self.pending: deque[Future] = deque()
+
+    def submit(self, fn, regions: list[Region]) -> None:
+        while self.pending and (self.pending[0].done() or
+                                len(self.pending) >= self.max_pending):
+            self.pending.popleft().result()         # raises a failed job's error here
+        self.pending.append(self.pool.submit(fn, regions))
+
+    def drain(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+
+
+class DiskIO:
+    """The disk tier's reader and writer threads (module docstring)."""
+
+    def __init__(self, max_pending: int = 4):
+        self._reader = _Queue("offload-read", max_pending)
+        self._writer = _Queue("offload-write", 4 * max_pending)
         self._lock = threading.Lock()     # CUDA's autograd runs backward hooks on its own thread
 
     def prefetch(self, regions: list[Region]) -> None:
-        self._submit(populate, regions)
+        if regions:
+            with self._lock:
+                self._reader.submit(populate, regions)
 
     def write_back(self, regions: list[Region]) -> None:
-        self._submit(sync_and_drop, regions)
-
-    def _submit(self, fn, regions: list[Region]) -> None:
-        if not regions:
-            return
-        with self._lock:
-            self._enqueue(fn, regions)
-
-    def _enqueue(self, fn, regions: list[Region]) -> None:
-        while self._pending and (self._pending[0].done() or
-                                 len(self._pending) >= self.max_pending):
-            self._pending.popleft().result()        # raises a failed job's OSError here
-        self._pending.append(self._pool.submit(fn, regions))
+        if regions:
+            with self._lock:
+                self._writer.submit(sync_and_drop, regions)
 
     def drain(self) -> None:
-        """Wait for every job; raise the first failure (an OSError naming its file)."""
+        """Wait for every job; raise the first failure (an OffloadIOError naming its file)."""
         with self._lock:
-            while self._pending:
-                self._pending.popleft().result()
+            self._reader.drain()
+            self._writer.drain()
 
     def close(self) -> None:
         try:
             self.drain()
         finally:
-            self._pool.shutdown(wait=True)
+            self._reader.pool.shutdown(wait=True)
+            self._writer.pool.shutdown(wait=True)

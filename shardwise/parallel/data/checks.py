@@ -57,8 +57,8 @@ def check_offload_params(cfg: Config, stage: int) -> None:
     composed = cfg.parallel.strategy in COMPOSED
     if composed and stage == 3 and m.offload != "none":
         return
-    what = f"the run is ZeRO-{stage}" if composed and stage >= 0 else \
-        f"the run is {cfg.parallel.strategy}"
+    what = (f"the run is {['DDP', 'ZeRO-1', 'ZeRO-2', 'ZeRO-3'][stage]}" if composed else
+            f"the run is {cfg.parallel.strategy}")
     why = ("there is no --offload place to move them to" if composed and stage == 3 else
            f"only ZeRO-3 keeps parameters as shards to offload ({what})")
     raise ConfigError("memory.offload_params", True, why, "use --zero-stage 3 (or --strategy "
