@@ -136,11 +136,12 @@ class OffloadStore:
         if self.io is not None:
             self.io.prefetch(self._regions(tensors))
 
-    def release(self, tensors) -> None:
-        """Disk: write these tensors' pages back and drop them from resident memory, on the
-        background thread (the caller may touch them again at once: they are read back)."""
+    def release(self, tensors, written: bool = True) -> None:
+        """Disk: drop these tensors' pages from resident memory now and, if ``written`` (they
+        may have changed), write them to the disk on the background thread (the caller may
+        touch them again at once: they are read back)."""
         if self.io is not None:
-            self.io.write_back(self._regions(tensors))
+            self.io.write_back(self._regions(tensors), written)
 
     def drain(self) -> None:
         """Wait until every prefetch and write-back finished; raise the first I/O error (an

@@ -15,11 +15,14 @@ while the training thread computes:
                           optimizer states are resident before the training thread touches them
                           (read-only: a page the step then writes is dirtied by that write, not
                           by the read-ahead, so unchanged pages are never written back)
-    write_back(regions)   writer: write the dirty pages to the file (``msync(MS_SYNC)``) and drop
-                          them from this process (``MADV_DONTNEED``: for a shared file mapping
-                          the data stays in the file; a later touch reads it back)
+    write_back(regions)   drop the pages from this process at once, on the calling thread
+                          (``MADV_DONTNEED``, which only unmaps: for a shared file mapping a
+                          dirty page goes to the kernel's page cache with its data, and a later
+                          touch reads it back), then, when ``written``, the writer writes the
+                          file's dirty pages to the disk (``msync(MS_SYNC)``)
 
-Two threads, so a read-ahead never waits behind a slow write. Both are calls into libc through
+Two threads, so a read-ahead never waits behind a slow write; dropping first, so resident
+memory falls as soon as a chunk is done with, however far the disk lags. Both are calls into libc through
 ctypes, which releases the GIL, so the training thread runs on while the disk works. Each queue
 is bounded (``max_pending`` jobs): asking for more waits for the oldest, so read-ahead never
 holds more than a few chunks resident and written pages cannot pile up in RAM when the disk is
@@ -100,11 +103,16 @@ def populate(regions: list[Region]) -> None:
             _call(_libc.madvise, r, MADV_WILLNEED, "reading in")
 
 
-def sync_and_drop(regions: list[Region]) -> None:
-    """Write the dirty pages to the file, then drop every page from this process."""
+def drop(regions: list[Region]) -> None:
+    """Unmap every page from this process (their data stays in the file's page cache)."""
+    for r in regions:
+        _call(_libc.madvise, r, MADV_DONTNEED, "dropping pages")
+
+
+def sync(regions: list[Region]) -> None:
+    """Write the files' dirty pages in these ranges to the disk, and wait for it."""
     for r in regions:
         _call(_libc.msync, r, MS_SYNC, "writing")
-        _call(_libc.madvise, r, MADV_DONTNEED, "dropping pages")
 
 
 class _Queue:
@@ -139,10 +147,14 @@ class DiskIO:
             with self._lock:
                 self._reader.submit(populate, regions)
 
-    def write_back(self, regions: list[Region]) -> None:
+    def write_back(self, regions: list[Region], written: bool = True) -> None:
+        """Drop the pages now; write them to the disk in the background (``written``: they
+        may have changed since the last write-back)."""
         if regions:
-            with self._lock:
-                self._writer.submit(sync_and_drop, regions)
+            drop(regions)
+            if written:
+                with self._lock:
+                    self._writer.submit(sync, regions)
 
     def drain(self) -> None:
         """Wait for every job; raise the first failure (an OffloadIOError naming its file)."""

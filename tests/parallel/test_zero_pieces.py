@@ -146,17 +146,38 @@ def test_disk_store_refuses_a_full_disk_naming_the_file(tmp_path, monkeypatch):
 
 
 def test_a_failed_write_back_surfaces_on_the_training_thread_as_one_line(tmp_path):
-    """A job that fails on the store's thread is raised by the next call (here drain) as an
-    OffloadIOError naming the file; ranks.resource_error turns it into one line."""
+    """A failed page operation (here: an address no mapping starts at, EINVAL) is raised on
+    the training thread as an OffloadIOError naming the file (a job of the writer thread: by
+    the next call, or drain); ranks.resource_error turns it into one line."""
     from types import SimpleNamespace
     from shardwise.launch.ranks import resource_error
     from shardwise.memory.offload_io import DiskIO, OffloadIOError, Region
     io = DiskIO()
     bad = Region(mapping=None, address=1, length=4096, path=str(tmp_path / "state.bin"))
-    io.write_back([bad])                    # msync of an unaligned address: EINVAL
-    with pytest.raises(OffloadIOError) as exc:
+    with pytest.raises(OffloadIOError) as exc:  # madvise / msync of an unaligned address
+        io.write_back([bad])
         io.drain()
     io.close()
     line = resource_error(exc.value, SimpleNamespace(logging=SimpleNamespace(out_dir="runs"),
                                                      memory=SimpleNamespace(offload="disk")))
     assert line and "\n" not in line and str(tmp_path / "state.bin") in line and "fix:" in line
+
+
+def test_a_failed_background_write_is_raised_by_drain(tmp_path, monkeypatch):
+    """The writer thread's failure (a full or broken disk at msync) waits for the training
+    thread's next call: drain raises it, naming the file."""
+    import errno
+    from shardwise.memory import offload_io
+
+    def broken(regions):
+        raise offload_io.OffloadIOError(errno.EIO, "offload=disk: writing failed (I/O error)",
+                                        regions[0].path)
+    monkeypatch.setattr(offload_io, "sync", broken)
+    store = OffloadStore("disk", torch.device("cpu"), str(tmp_path))
+    t = store.zeros(100)
+    t.fill_(3.0)
+    store.release([t])                      # dropped at once; the write fails in the background
+    with pytest.raises(offload_io.OffloadIOError) as exc:
+        store.drain()
+    assert exc.value.errno == errno.EIO and "shardwise-rank0-" in exc.value.filename
+    assert t.sum().item() == 300.0          # the data stayed in the file's pages

@@ -317,7 +317,8 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
                 states += [v for v in state.values() if torch.is_tensor(v)]
             if c.master.data_ptr() != c.shard.data_ptr():   # fp32 -> working dtype / device
                 self.store.to_device(c.shard, c.master)       # non-blocking on CUDA
-            self.store.release([c.master, c.shard, c.grad_shard, *states])
+            self.store.release([c.master, c.shard, *states])
+            self.store.release([c.grad_shard], written=False)   # spent: the next backward
             self._after_chunk_step(i)
         self.store.wait_copies()        # the masters may be written again (offload.py)
 

@@ -133,7 +133,7 @@ class ZeroGradients:
             else:   # tensor parallel: tp-replicated entries are counted on tp rank 0 only
                 sq += grad_sq([c.grad_shard[a:b] for a, b in self._counted(c)], self.device)
             if self.grads_offloaded:
-                self.store.release([c.grad_shard])
+                self.store.release([c.grad_shard], written=False)   # only read here
         return sq / (self.scale * self.scale) if self.scale != 1.0 else sq
 
     def _sum_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:

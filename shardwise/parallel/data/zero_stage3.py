@@ -197,7 +197,7 @@ class Zero3Strategy(ZeroBase):
         c.extra["work"], c.extra["state"] = None, HELD
         c.extra.pop("src", None)
         if self.params_offloaded:
-            self.store.release([c.shard])     # gathered: its pages may leave RAM again
+            self.store.release([c.shard], written=False)   # gathered: may leave RAM again
 
     def _prefetch(self, index: int, backward: bool) -> None:
         """Start the all-gather of unit ``index`` (the next in this direction); with disk
