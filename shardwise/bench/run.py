@@ -113,21 +113,28 @@ def commit() -> str | None:
     folder = os.path.dirname(os.path.abspath(__file__))
     while True:
         git = os.path.join(folder, ".git")
-        if os.path.isdir(git):
+        if os.path.exists(git):
             break
         parent = os.path.dirname(folder)
         if parent == folder:
             return None
         folder = parent
     try:
+        if os.path.isfile(git):       # a worktree: "gitdir: <its folder>", refs in the common one
+            line = open(git).read().strip()
+            git = os.path.join(folder, line[len("gitdir: "):]) if line.startswith("gitdir: ") \
+                else git
+        common = git
+        if os.path.exists(os.path.join(git, "commondir")):
+            common = os.path.join(git, open(os.path.join(git, "commondir")).read().strip())
         head = open(os.path.join(git, "HEAD")).read().strip()
         if not head.startswith("ref: "):
             return head[:7] or None
         ref = head[5:]
-        path = os.path.join(git, ref)
+        path = os.path.join(common, ref)
         if os.path.exists(path):
             return open(path).read().strip()[:7] or None
-        with open(os.path.join(git, "packed-refs")) as fh:
+        with open(os.path.join(common, "packed-refs")) as fh:
             for line in fh:
                 if line.rstrip().endswith(" " + ref):
                     return line.split()[0][:7]

@@ -117,7 +117,8 @@ def zero3_memory_phases(rank, world, **args):
 
 def _phases(out: dict) -> dict:
     out["extra"].update(peak_prepare=out["peak_prepare"], peak_train=out["peak_train"],
-                        offloaded=out["ledger"].get("on_disk", 0))
+                        offloaded=out["ledger"].get("on_disk", 0),
+                        ledger_at_peak=out["ledger_instant"])
     return out
 
 
