@@ -130,11 +130,11 @@ class OffloadStore:
         regions = (self._maps.get(t.data_ptr()) for t in tensors if t is not None)
         return [r for r in regions if r is not None]
 
-    def prefetch(self, tensors) -> None:
+    def prefetch(self, tensors, write: bool = False) -> None:
         """Disk: read these tensors' pages in on the background thread (they are about to be
-        used); elsewhere nothing to do."""
+        used; ``write``: to be overwritten, so map them writable); elsewhere nothing to do."""
         if self.io is not None:
-            self.io.prefetch(self._regions(tensors))
+            self.io.prefetch(self._regions(tensors), write)
 
     def release(self, tensors, written: bool = True) -> None:
         """Disk: drop these tensors' pages from resident memory now and, if ``written`` (they

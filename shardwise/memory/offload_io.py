@@ -13,8 +13,9 @@ while the training thread computes:
     prefetch(regions)     reader: read the pages in and map them (``MADV_POPULATE_READ``): the
                           next unit's parameter shard, the next chunk's master, gradient and
                           optimizer states are resident before the training thread touches them
-                          (read-only: a page the step then writes is dirtied by that write, not
-                          by the read-ahead, so unchanged pages are never written back)
+                          (read-only, so unchanged pages are never written back; with ``write``,
+                          for what the step overwrites anyway, mapped writable:
+                          ``MADV_POPULATE_WRITE``)
     write_back(regions)   drop the pages from this process at once, on the calling thread
                           (``MADV_DONTNEED``, which only unmaps: for a shared file mapping a
                           dirty page goes to the kernel's page cache with its data, and a later
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import tempfile
@@ -47,7 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 MS_SYNC = 4
-MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22
+MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ, MADV_POPULATE_WRITE = 3, 4, 22, 23
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -91,11 +93,14 @@ def _call(fn, region: Region, arg: int, what: str) -> None:
         raise OffloadIOError(code, f"offload=disk: {what} failed ({os.strerror(code)})", region.path)
 
 
-def populate(regions: list[Region]) -> None:
-    """Read every page in and map it (``MADV_WILLNEED`` where the kernel is older than 5.14
-    and has no ``MADV_POPULATE_READ``)."""
+def populate(regions: list[Region], write: bool = False) -> None:
+    """Read every page in and map it, writable when ``write`` (the caller is about to write
+    every page: one write fault each here instead of a read fault and a write fault on the
+    training thread); ``MADV_WILLNEED`` where the kernel is older than 5.14 and has no
+    ``MADV_POPULATE_*``."""
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
     for r in regions:
-        if _libc.madvise(r.address, r.length, MADV_POPULATE_READ) != 0:
+        if _libc.madvise(r.address, r.length, advice) != 0:
             code = ctypes.get_errno()
             if code not in (errno.EINVAL, errno.ENOSYS):
                 raise OffloadIOError(code, f"offload=disk: reading in failed ({os.strerror(code)})",
@@ -139,13 +144,15 @@ class DiskIO:
 
     def __init__(self, max_pending: int = 4):
         self._reader = _Queue("offload-read", max_pending)
-        self._writer = _Queue("offload-write", 4 * max_pending)
+        # a write job holds no resident pages (they were dropped): its bound only stops the
+        # training thread from running arbitrarily far ahead of a slow disk
+        self._writer = _Queue("offload-write", 16 * max_pending)
         self._lock = threading.Lock()     # CUDA's autograd runs backward hooks on its own thread
 
-    def prefetch(self, regions: list[Region]) -> None:
+    def prefetch(self, regions: list[Region], write: bool = False) -> None:
         if regions:
             with self._lock:
-                self._reader.submit(populate, regions)
+                self._reader.submit(functools.partial(populate, write=write), regions)
 
     def write_back(self, regions: list[Region], written: bool = True) -> None:
         """Drop the pages now; write them to the disk in the background (``written``: they

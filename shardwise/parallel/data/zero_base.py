@@ -287,13 +287,18 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         """Stages 1-2 launch the chunk's all-gather here."""
 
     def _chunk_state(self, c: Chunk) -> list[torch.Tensor]:
-        """The chunk's tensors the step reads and writes: master, shard, gradient shard and
-        every optimizer state of its master views (what the disk tier reads ahead and drops)."""
-        out = [c.master, c.shard, c.grad_shard]
+        """The chunk's tensors the step writes: master, shard and every optimizer state of
+        its master views (what the disk tier reads ahead, then writes back and drops)."""
+        out = [c.master, c.shard]
         for _, _, _, view in c.masters:
             out += [v for v in self.optimizer.state.get(view, {}).values()
                     if torch.is_tensor(v) and v.dim() > 0]
         return out
+
+    def _read_ahead(self, c: Chunk) -> None:
+        """Disk offload: the chunk's state (overwritten by its step) and gradient shard (read)."""
+        self.store.prefetch(self._chunk_state(c), write=True)
+        self.store.prefetch([c.grad_shard])
 
     @torch.no_grad()
     def _optimizer_step(self) -> None:
@@ -301,10 +306,10 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         With disk offload the next chunk's state is read in on the store's thread while this
         chunk steps, and each stepped chunk is written back there (memory/offload.py)."""
         if self.chunks:
-            self.store.prefetch(self._chunk_state(self.chunks[0]))
+            self._read_ahead(self.chunks[0])
         for i, c in enumerate(self.chunks):
             if i + 1 < len(self.chunks):
-                self.store.prefetch(self._chunk_state(self.chunks[i + 1]))
+                self._read_ahead(self.chunks[i + 1])
             g = self._master_grad(c)
             for _, lo, hi, view in c.masters:
                 view.grad = g[lo:hi]
