@@ -110,7 +110,6 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     from shardwise.launch import torchrun as launch
     from shardwise.parallel.layout import check_model_names
     from shardwise.checkpoint.checks import check as check_checkpoint
-    from shardwise.memory.checks import check_offload_room
     from shardwise.run.validate import check_ignored, validate
     cfg, args = parse_config(argv)
     world = launch.world_size(cfg)
@@ -122,7 +121,7 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     launch.check_restarts(cfg)      # --max-restarts needs --checkpoint-dir
     cfg = prelaunch.resume_after_restart(cfg)   # a world torchrun restarted continues from `latest`
     check_checkpoint(cfg, world)    # --checkpoint-dir / --resume (shardwise/checkpoint/checks.py)
-    check_offload_room(cfg, world, launch.local_ranks())   # offload=disk: room for the state
+    prelaunch.check_offload_room(cfg, world, launch.local_ranks())   # offload=disk: room for the state
     prelaunch.check_data_files(cfg)
     prelaunch.check_extras(cfg)
     return cfg, args, world

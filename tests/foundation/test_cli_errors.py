@@ -184,7 +184,8 @@ def test_offload_dir_without_room_is_refused_with_the_bytes_needed(tmp_path, mon
     line with the bytes needed (parameters x bytes per element; memory/checks.py)."""
     import shutil
     from collections import namedtuple
-    from shardwise.memory.checks import offload_bytes_per_element, parameter_count
+    from shardwise.launch.checks import parameter_count
+    from shardwise.memory.checks import offload_bytes_per_element
     from shardwise.cli import parse_config
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))
