@@ -24,8 +24,8 @@ that initialised differently train identically. Buffers (e.g. BatchNorm running 
 broadcast from dp rank 0 after every step: they follow rank 0's shard statistics, as torch DDP's
 ``broadcast_buffers`` does. The optimizer is stepped one chunk at a time (the other masters'
 ``.grad`` are None, so torch.optim skips them): the math equals one step over all of them, the
-next chunk's all-gather can start while the next chunk steps, and with disk offload only one
-chunk's states are resident at a time.
+next chunk's all-gather can start while the next chunk steps, and with disk offload only the
+chunk being stepped and the next one (read ahead on the store's thread) are resident.
 
 Gradients (stages 2-3): on a chunk's first gradient in a backward, a flat staging buffer is
 allocated and every parameter's ``.grad`` becomes a view of it, so autograd accumulates the
@@ -33,8 +33,9 @@ others in place; when the chunk's last gradient arrives the buffer is reduce-sca
 gradient shard and freed as soon as that finishes. At most ``MAX_GRAD_BUFFERS`` (2) whole-size
 buffers live at once (one filling, one reducing): opening a third waits for the oldest reduction.
 
-Masters: in fp32 without offload the master *is* the shard (a view, no copy). With bf16 / fp16
-working copies, or with offload, the master is a separate fp32 tensor in the
+Masters: in fp32 without offload the master *is* the shard (a view, no copy), and so it is with
+``--offload-params`` (stage 3), where the shard itself lives in the store. With bf16 / fp16
+working copies, or with offload of the optimizer only, the master is a separate fp32 tensor in the
 :class:`~shardwise.memory.offload.OffloadStore` (device, CPU or disk), initialised from the fp32
 weights before they are cast. fp16 uses dynamic loss scaling (2^16, halved and the step skipped
 on inf/nan, doubled after 1000 clean steps). Clipping (base.Strategy.clip_grad_norm_): squares of

@@ -41,7 +41,17 @@ on CPU. On CUDA a blocking reduce-scatter would make the compute stream wait for
 every unit, serialising communication with the rest of backward; there it runs asynchronously
 and costs at most the one extra whole-size buffer ``MAX_GRAD_BUFFERS`` allows. Traffic per
 step: 3(N-1)/N K (two all-gathers and one reduce-scatter), 1.5x DDP. With ``overlap`` off nothing
-is prefetched and every collective blocks. Reference: ZeRO (SC 2020), "P_os+g+p"; Zhao et al.,
+is prefetched and every collective blocks.
+
+Offloaded parameters (``--offload cpu|disk --offload-params``, ZeRO-Infinity): each unit's shard
+lives in the offload store (memory/offload.py; in fp32 it is also the master) and is read only by
+the unit's all-gathers and the step; each reduced gradient shard is reduce-scattered straight
+into the store (from a GPU: into a device temporary, then copied). With disk, a shard is dropped
+from memory as soon as its gather is done, a gradient as soon as it is reduced; the next unit's
+shard is read by its prefetched all-gather on the backend's thread (or, with a blocking gather
+or a GPU's copy, read ahead on the store's), so resident memory holds the gathered units and a
+shard or two, not the 16P/N of state: that is all on disk (the ledger's ``on_disk``). Traffic is unchanged; the disk moves per step about 3 reads of the shards, 2 of the
+gradients, and one read and write of masters and states (the page cache absorbs what fits). Reference: ZeRO (SC 2020), "P_os+g+p"; Zhao et al.,
 "PyTorch FSDP" (VLDB 2023) for the unit / prefetch / reshard-after-forward structure.
 """
 from __future__ import annotations
@@ -200,10 +210,11 @@ class Zero3Strategy(ZeroBase):
             self.store.release([c.shard], written=False)   # gathered: may leave RAM again
 
     def _prefetch(self, index: int, backward: bool) -> None:
-        """Start the all-gather of unit ``index`` (the next in this direction); with disk
-        offload, read the shard of the unit after it in on the store's thread, so that its
-        gather finds it in memory."""
-        if self.params_offloaded:
+        """Start the all-gather of unit ``index`` (the next in this direction). With disk
+        offload its shard is read in on a background thread: the backend's, which runs the
+        asynchronous gather on a CPU run; else the store's (a blocking gather; a GPU run,
+        whose copy to the device is made on this thread)."""
+        if self.params_offloaded and (not self.overlap or self.device.type != "cpu"):
             ahead = index + (1 if self.overlap else 0) * (-1 if backward else 1)
             if 0 <= ahead < len(self.chunks):
                 self.store.prefetch([self.chunks[ahead].shard])
