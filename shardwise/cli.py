@@ -124,6 +124,7 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     launch.check_restarts(cfg)      # --max-restarts needs --checkpoint-dir
     cfg = prelaunch.resume_after_restart(cfg)   # a world torchrun restarted continues from `latest`
     check_checkpoint(cfg, world)    # --checkpoint-dir / --resume (shardwise/checkpoint/checks.py)
+    prelaunch.check_offload_room(cfg, world, launch.local_ranks())   # offload=disk: room for the state
     prelaunch.check_data_files(cfg)
     prelaunch.check_extras(cfg)
     return cfg, args, world

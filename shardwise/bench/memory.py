@@ -75,19 +75,60 @@ def _rss_now() -> int:
     return 0
 
 
+def _hwm_now() -> int:
+    """This process's resident high-water mark so far (VmHWM), bytes."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _cfg(strategy: str, steps: int, batch: int):
     from shardwise.bench.harness import gpt_bench_config
     return gpt_bench_config(strategy, model=MODEL, train={"steps": steps, "batch_size": batch})
 
 
-def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4) -> dict:
-    """Train ``kind`` for ``steps``; this rank's baseline, peak RSS, ledger and tokens/s."""
+class RssSampler:
+    """The largest resident memory seen by a thread that reads /proc/self/statm every
+    ``interval`` seconds while it runs (the peak of one phase, e.g. training after ``prepare``:
+    ru_maxrss holds the whole process's peak and cannot be split; a spike shorter than the
+    interval can be missed)."""
+
+    def __init__(self, interval: float = 0.002):
+        import threading
+        self.peak, self.interval = _rss_now(), interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/statm") as fh:
+            while not self._stop.wait(self.interval):
+                fh.seek(0)
+                self.peak = max(self.peak, int(fh.read().split()[1]) * page)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _rss_now())
+
+
+def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4,
+         memory: dict | None = None) -> dict:
+    """Train ``kind`` for ``steps``; this rank's baseline, peak RSS, ledger and tokens/s.
+    ``memory``: MemoryConfig fields for ours (e.g. offload); ``peak_prepare`` is the resident
+    high-water mark when the model is built and prepared, ``peak_train`` the largest resident
+    memory sampled while it trains (:class:`RssSampler`)."""
     _returning_malloc()
+    from dataclasses import replace
     from shardwise.bench.harness import threads_for, timed_steps
     from shardwise.data import build_data
     from shardwise.models import build_model, lm_loss
     threads_for(world)
     cfg = _cfg(kind if kind in ("ddp", "zero1", "zero2", "zero3") else "single", steps, batch)
+    cfg = replace(cfg, memory=replace(cfg.memory, **(memory or {})))
     # what every side pays before it holds any training state: the data, and the modules the
     # first torch.optim optimizer imports (torch._dynamo: ~74 MiB of resident code and data)
     data = build_data(cfg)
@@ -129,7 +170,10 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4) -> di
             book.after_backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+    prepared = _hwm_now()
+    sampler = RssSampler()
     seconds = timed_steps(step, max(1, steps - 1), warmup=1)
+    trained = sampler.stop()
     if kind in ("ddp", "zero1", "zero2", "zero3"):
         ledger = engine.strategy.memory_ledger()
         instant = engine.strategy.memory_at_peak()     # sampled at the peak (parallel/ledger.py)
@@ -139,6 +183,7 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4) -> di
         instant = None                                 # torch's buffers are not visible: modelled
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"kind": kind, "params": params, "baseline": baseline, "peak": peak,
+            "peak_prepare": prepared, "peak_train": trained,
             "ledger": ledger, "ledger_instant": instant,
             "items_per_s": batch * cfg.model.block_size / seconds,
             "rows_per_rank": per}

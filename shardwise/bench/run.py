@@ -138,6 +138,13 @@ def commit() -> str | None:
             return None
         folder = parent
     try:
+        if os.path.isfile(git):       # a worktree: "gitdir: <its folder>", refs in the common one
+            line = open(git).read().strip()
+            git = os.path.join(folder, line[len("gitdir: "):]) if line.startswith("gitdir: ") \
+                else git
+        common = git
+        if os.path.exists(os.path.join(git, "commondir")):
+            common = os.path.join(git, open(os.path.join(git, "commondir")).read().strip())
         head = open(os.path.join(git, "HEAD")).read().strip()
         if not head.startswith("ref: "):
             return head[:7] or None

@@ -148,6 +148,10 @@ class MemoryConfig:
     offload: str = _f("none", "ZeRO: where optimizer states and master weights live",
                       ("none", "cpu", "disk"))
     offload_dir: str = _f("", "offload=disk: directory for memory-mapped state; empty = temp dir")
+    offload_params: bool = _f(False, "ZeRO-3 with --offload cpu|disk: this rank's parameter "
+                              "shards and reduced gradients live there too (ZeRO-Infinity), "
+                              "gathered into a unit's full parameters only while it computes; "
+                              "disk reads are prefetched and writes run in the background")
     activation_checkpointing: bool = _f(False, "recompute each block's activations in backward")
     freeze: str = _f("", "freeze parameters: fnmatch globs over model.named_modules() names, "
                      "comma-separated (e.g. 'blocks.0.*,tok_emb'); frozen ones get no gradient, "

@@ -112,3 +112,53 @@ def check_data_files(cfg: Config) -> None:
     load_idx_dir(cfg.data.data_dir, cfg.train.seed)
 
 
+def parameter_count(cfg: Config) -> int | None:
+    """Parameters of the configured model without building it (shardwise's GPT: the planner's
+    count, planner/model.py, less the 3h qkv bias per block our GPT does not have), or from a
+    build on the meta device (no memory); None when neither works."""
+    mc = cfg.model
+    if mc.name == "gpt":
+        from shardwise.planner.model import ModelSpec
+        spec = ModelSpec(mc.n_layer, mc.n_embd, mc.n_head, mc.block_size, mc.vocab_size,
+                         tied_embeddings=False)
+        return spec.params - 3 * mc.n_embd * mc.n_layer
+    try:
+        import torch
+        from shardwise.models import build_model
+        with torch.device("meta"):
+            return sum(p.numel() for p in build_model(mc, cfg.train.seed).parameters())
+    except Exception:       # a model that cannot be built on meta: the run itself will say
+        return None
+
+
+def check_offload_room(cfg: Config, world_size: int, local_ranks: int | None = None) -> None:
+    """``offload=disk``: the filesystem of ``offload_dir`` (or the temporary directory) must have
+    room for what this machine's ranks will put there, before any process starts: parameters x
+    memory/checks.py's ``offload_bytes_per_element`` x the share of the world on this machine (a lower bound:
+    shard padding and files other runs write meanwhile are not counted). Skipped with
+    ``freeze`` or LoRA (fewer trainable elements than parameters) and for a model that cannot
+    be counted."""
+    import os
+    import shutil
+    import tempfile
+    from shardwise.memory.checks import offload_bytes_per_element
+    m = cfg.memory
+    if m.offload != "disk" or m.freeze or m.lora_rank:
+        return
+    params = parameter_count(cfg)
+    if not params:
+        return
+    local = local_ranks or world_size
+    needed = params * offload_bytes_per_element(cfg) * local // max(1, world_size)
+    where = os.path.abspath(m.offload_dir or tempfile.gettempdir())
+    probe = where
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise ConfigError("memory.offload_dir", m.offload_dir or where, f"offload=disk needs "
+                          f"{needed:,} bytes there ({params:,} parameters x "
+                          f"{offload_bytes_per_element(cfg)} bytes, {local} of {world_size} ranks "
+                          f"on this machine) and its filesystem has {free:,} free",
+                          "free space there, or give --offload-dir on a disk with room (or use "
+                          "--offload cpu)")

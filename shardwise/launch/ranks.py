@@ -30,6 +30,10 @@ def resource_error(exc: BaseException, cfg: Config) -> str | None:
         return (f"out of memory ({text or type(exc).__name__}); fix: lower --batch-size or the "
                 "model size (--n-layer, --n-embd), or use --grad-accum, --activation-checkpointing"
                 ", --mixed-precision bf16 or --zero-stage 3")
+    from shardwise.memory.offload_io import OffloadIOError
+    if isinstance(exc, OffloadIOError):     # the disk tier: any errno, the file named
+        return (f"{exc.strerror}: {str(exc.filename)!r}; fix: free space there, or give "
+                "--offload-dir on a healthy disk with room (or use --offload cpu)")
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
                                                   errno.EACCES):
         import os

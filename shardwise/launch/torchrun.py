@@ -50,6 +50,13 @@ def gpu_count() -> int:
         return 0
 
 
+def local_ranks() -> int | None:
+    """Ranks on this machine under a launcher (torchrun's LOCAL_WORLD_SIZE, SLURM's
+    SLURM_NTASKS_PER_NODE); None otherwise (every rank we start is on this machine)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "")
+    return int(value) if value.isdigit() else None
+
+
 def local_world_size(cfg: Config) -> int:
     """Processes to start on this machine when no launcher started us. Without a setting that
     fixes it: one per visible GPU for a CUDA run (a one-GPU host runs a world of one), 2 on

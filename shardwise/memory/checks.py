@@ -53,3 +53,21 @@ def check_names(cfg: Config, model) -> None:
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("memory.freeze", m.freeze, "every parameter would be frozen",
                           "freeze fewer modules")
+
+
+# bytes on disk per trainable element, by optimizer: fp32 states the disk store holds (Adam's
+# two moments; torch's SGD without momentum keeps none; adamw8bit's 8-bit moments stay in RAM)
+STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "adamw8bit": 0}
+
+
+def offload_bytes_per_element(cfg: Config) -> int:
+    """Bytes ``offload=disk`` keeps in files per trainable element, summed over the ranks that
+    share it (ZeRO shards it; zero_ledger.py counts the same tensors): the fp32 master (4),
+    the optimizer's fp32 states, and with ``offload_params`` the working-precision parameter
+    shard (none in fp32: the master is the shard) and gradient shard."""
+    m = cfg.memory
+    working = 4 if m.mixed_precision == "no" else 2
+    out = 4 + STATE_BYTES.get(cfg.train.optimizer, 8)
+    if m.offload_params:
+        out += (0 if working == 4 else working) + working
+    return out

@@ -5,16 +5,21 @@
     none   on the training device (no offload)
     cpu    in CPU memory; on a GPU this takes masters and optimizer states off the device, and
            the optimizer step runs on the CPU (ZeRO-Offload, Ren et al. 2021)
-    disk   in numpy memory-mapped files (in ``directory``, or the temporary directory); each file
-           is unlinked as soon as it is mapped, so nothing is left behind however the process
-           ends (the kernel frees the space when the mapping goes); after each chunk of the
-           optimizer step the store writes the chunk's pages back and drops them from this
-           process's memory (madvise DONTNEED), so resident memory holds only the chunk being
-           stepped (ZeRO-Infinity's NVMe tier, in miniature). The kernel's page cache may still keep the file's pages; it is not part
-           of this process's resident set and is given up under memory pressure.
+    disk   in memory-mapped files (in ``directory``, or the temporary directory; any dtype), each
+           with its blocks reserved when it is made and unlinked as soon as it is mapped, so a
+           full filesystem refuses at once naming the file, and nothing is left behind however
+           the process ends (the kernel frees the space when the mapping goes). The store's
+           owner says when a tensor's pages are needed and when they are done with:
+           :meth:`prefetch` reads them in and :meth:`release` writes them back and drops them
+           from this process's memory, both on one background thread
+           (shardwise/memory/offload_io.py), so resident memory holds only the chunks in use
+           and the disk works while the training thread computes (ZeRO-Infinity's NVMe tier,
+           in miniature). :meth:`drain` waits for the disk; the kernel's page cache may still
+           keep the file's pages, which are not part of this process's resident set and are
+           given up under memory pressure.
 
 The math is the same in all three places: a tensor from the store is an ordinary torch tensor
-(``torch.from_numpy`` of the memmap for disk), so torch.optim runs on it unchanged.
+(``torch.frombuffer`` of the mapping for disk), so torch.optim runs on it unchanged.
 
 Pinning (``cpu`` only, and only when the run's device is CUDA: a CPU run never touches CUDA, so
 a forked CPU world on a GPU machine still starts). A tensor asked for with ``pin=True`` (what is
@@ -40,10 +45,10 @@ from __future__ import annotations
 
 import mmap
 import os
-import tempfile
 
-import numpy as np
 import torch
+
+from shardwise.memory.offload_io import DiskIO, Region, map_file
 
 PLACES = ("none", "cpu", "disk")
 
@@ -55,13 +60,14 @@ class OffloadStore:
         if place not in PLACES:
             raise ValueError(f"offload place {place!r}: choose one of {PLACES}")
         self.place, self.device, self.tag = place, device, tag
-        self._maps: dict[int, np.memmap] = {}   # data_ptr -> memmap (disk)
+        self._maps: dict[int, Region] = {}   # data_ptr -> mapped file (disk)
         self._tensors: list[torch.Tensor] = []
         self._ptrs: set[int] = set()       # data pointers of _tensors: owns() is checked per step
         self._pins: list[tuple[int, mmap.mmap]] = []   # (address, mapping) registered with CUDA
         self._copied = None                # CUDA event after the last non-blocking copy
         self.pinning = place == "cpu" and device.type == "cuda"   # never on a CPU run
         self.directory = directory
+        self.io = DiskIO() if place == "disk" else None
         if place == "disk" and directory:
             os.makedirs(directory, exist_ok=True)
 
@@ -75,15 +81,11 @@ class OffloadStore:
             t = self._pinned(numel, dtype) if pin and self.pinning and numel else \
                 torch.zeros(numel, dtype=dtype)
         else:
-            if dtype != torch.float32:
-                raise ValueError("disk offload holds fp32 tensors only")
-            fd, path = tempfile.mkstemp(prefix=f"shardwise-{self.tag}-", suffix=".f32",
-                                        dir=self.directory or None)
-            os.close(fd)
-            m = np.memmap(path, dtype=np.float32, mode="w+", shape=(max(1, numel),))
-            os.unlink(path)                       # the mapping keeps the (nameless) file
-            t = torch.from_numpy(m)[:numel]
-            self._maps[t.data_ptr()] = m
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            region = map_file(self.directory, self.tag, nbytes)
+            t = torch.frombuffer(region.mapping, dtype=dtype, count=numel) if numel else \
+                torch.empty(0, dtype=dtype)
+            self._maps[t.data_ptr()] = region
         self._tensors.append(t)
         self._ptrs.add(t.data_ptr())
         return t
@@ -124,15 +126,28 @@ class OffloadStore:
     def owns(self, t: torch.Tensor) -> bool:
         return t.data_ptr() in self._ptrs
 
-    def release(self, tensors) -> None:
-        """Disk: write these tensors' pages back and drop them from resident memory."""
-        if self.place != "disk":
-            return
-        for t in tensors:
-            m = self._maps.get(t.data_ptr())
-            if m is not None:
-                m.flush()
-                m._mmap.madvise(mmap.MADV_DONTNEED)
+    def _regions(self, tensors) -> list[Region]:
+        regions = (self._maps.get(t.data_ptr()) for t in tensors if t is not None)
+        return [r for r in regions if r is not None]
+
+    def prefetch(self, tensors, write: bool = False) -> None:
+        """Disk: read these tensors' pages in on the background thread (they are about to be
+        used; ``write``: to be overwritten, so map them writable); elsewhere nothing to do."""
+        if self.io is not None:
+            self.io.prefetch(self._regions(tensors), write)
+
+    def release(self, tensors, written: bool = True) -> None:
+        """Disk: drop these tensors' pages from resident memory now and, if ``written`` (they
+        may have changed), write them to the disk on the background thread (the caller may
+        touch them again at once: they are read back)."""
+        if self.io is not None:
+            self.io.write_back(self._regions(tensors), written)
+
+    def drain(self) -> None:
+        """Wait until every prefetch and write-back finished; raise the first I/O error (an
+        OSError naming the file)."""
+        if self.io is not None:
+            self.io.drain()
 
     def held_bytes(self) -> int:
         """Bytes of every tensor this store handed out."""
@@ -152,13 +167,18 @@ class OffloadStore:
 
     @property
     def mapped_bytes(self) -> int:
-        """Bytes held in memory-mapped files (disk)."""
-        return sum(m.nbytes for m in self._maps.values())
+        """Bytes held in memory-mapped files (disk), as handed out (not rounded to pages)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors
+                   if t.data_ptr() in self._maps)
 
     def close(self) -> None:
         """Forget the tensors (the unlinked files vanish with their last mapping) and give the
-        pinned pages back to the system (a tensor still held elsewhere stays valid, unpinned)."""
+        pinned pages back to the system (a tensor still held elsewhere stays valid, unpinned);
+        the disk's pending writes finish first."""
         self.wait_copies()
+        if self.io is not None:
+            self.io.close()
+            self.io = None
         for ptr, _ in self._pins:
             torch.cuda.cudart().cudaHostUnregister(ptr)
         self._pins.clear()

@@ -112,6 +112,7 @@ def check_model_names(cfg: Config) -> None:
 # what to change so that a refused setting is read (validate.check_ignored's fix)
 WHERE_READ = {
     "offload": "--zero-stage 1, 2 or 3", "offload_dir": "--offload disk",
+    "offload_params": "--zero-stage 3 with --offload cpu or disk",
     "bucket_mb": "--zero-stage 0, 1 or 2",
     "dp_shard": "--zero-stage 1, 2 or 3", "dp_replicate": "--zero-stage 1, 2 or 3",
     "overlap": "ddp, zeroN, tp, pp or 3d",

@@ -14,8 +14,10 @@ what the same ledger would hold without the technique:
     checkpointing       (``--activation-checkpointing``) measured: one extra forward of the last
     mixed precision     batch with the technique switched off, its saved activations against the
                         run's (then discarded); not under a pipeline (no rank runs a whole forward)
-    offload             (``--offload``) bytes of masters and optimizer states held off the device:
-                        on disk for ``disk``; for ``cpu`` on a GPU, in host memory (0 on a CPU run)
+    offload             (``--offload``) bytes of masters and optimizer states (with
+                        ``--offload-params`` also parameter and gradient shards) held off the
+                        device: on disk for ``disk``; for ``cpu`` on a GPU, in host memory (0 on
+                        a CPU run)
 
 The table is printed on rank 0 after the summary; the figures also go to summary.json
 (``memory_report``).
@@ -106,12 +108,15 @@ def rows(cfg: Config, strategy, x: torch.Tensor | None) -> list[tuple[str, int, 
                             f"saved activations {human_bytes(fp32)} in fp32, {human_bytes(run)} "
                             f"in {m.mixed_precision}"))
     if m.offload != "none":
+        params = getattr(strategy, "params_offloaded", False)
+        host = ["master_weights", "optimizer_states"] + (["parameters", "gradients"] if params
+                                                         else [])
         off_device = ledger.get("on_disk", 0) if m.offload == "disk" else (
-            ledger.get("master_weights", 0) + ledger.get("optimizer_states", 0)
-            if strategy.device.type == "cuda" else 0)
-        out.append((f"offload ({m.offload})", off_device, "masters and optimizer states off the "
-                    "device" + ("" if off_device or m.offload == "disk" else
-                               " (a CPU run: host memory is the device)")))
+            sum(ledger.get(k, 0) for k in host) if strategy.device.type == "cuda" else 0)
+        what = "masters, optimizer states" + (", parameter and gradient shards" if params else "")
+        out.append((f"offload ({m.offload})", off_device, f"{what} off the device"
+                    + ("" if off_device or m.offload == "disk" else
+                       " (a CPU run: host memory is the device)")))
     return out
 
 

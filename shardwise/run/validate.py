@@ -87,7 +87,7 @@ def check_ignored(cfg: Config, args=None, world_size: int | None = None) -> None
     cfg = layout.resolve(cfg)
     defaults = {"parallel": ParallelConfig(), "memory": MemoryConfig()}
     for name, used in layout.reads(cfg).items():
-        sec = "memory" if name in ("offload", "offload_dir") else "parallel"
+        sec = "memory" if name in MEMORY_FIELDS else "parallel"
         value = getattr(getattr(cfg, sec), name)
         if not used and value != getattr(defaults[sec], name):
             raise ConfigError(f"{sec}.{name}", value, f"the layout ({layout.describe(cfg)}) "
@@ -97,6 +97,7 @@ def check_ignored(cfg: Config, args=None, world_size: int | None = None) -> None
     check_unread(cfg, args, world_size)
 
 
+MEMORY_FIELDS = {f.name for sec, f in section_fields() if sec == "memory"}
 GPT_SIZES = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout")
 
 

@@ -61,6 +61,13 @@ BAD = [
      "--zero-stage 0, whose all-reduce it serves"),
     (["--strategy", "ddp", "--pp-transport", "shm"], "parallel.pp_transport = 'shm'",
      "--pp 2 or more"),
+    # --offload-params: ZeRO-3 with an offload place only
+    (["--strategy", "zero2", "--offload", "disk", "--offload-params"],
+     "memory.offload_params = True", "use --zero-stage 3"),
+    (["--strategy", "zero3", "--offload-params"], "memory.offload_params = True",
+     "with --offload cpu or disk"),
+    (["--strategy", "ddp", "--offload-params"], "memory.offload_params = True",
+     "drop --offload-params"),
     # non-finite numbers
     (["--weight-decay", "nan"], "train.weight_decay = nan", "give a number"),
     (["--lr", "inf"], "train.lr = inf", "give a number"),
@@ -170,3 +177,28 @@ def test_a_loss_that_turns_nan_stops_the_run_naming_the_step(tmp_path, capsys):
     import json
     lines = [json.loads(line) for line in open(tmp_path / "nan" / "metrics.jsonl")]
     assert lines[-1]["loss"] is None and lines[-1]["nonfinite"] == ["loss"]
+
+
+def test_offload_dir_without_room_is_refused_with_the_bytes_needed(tmp_path, monkeypatch, capsys):
+    """offload=disk on a filesystem with less room than the state: refused before launch, one
+    line with the bytes needed (parameters x bytes per element; memory/checks.py)."""
+    import shutil
+    from collections import namedtuple
+    from shardwise.launch.checks import parameter_count
+    from shardwise.memory.checks import offload_bytes_per_element
+    from shardwise.cli import parse_config
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))
+    argv = ["--strategy", "zero3", "--offload", "disk", "--offload-params", "--offload-dir",
+            str(tmp_path / "off"), "--out-dir", str(tmp_path / "runs")]
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    cfg = parse_config(argv)[0]
+    needed = parameter_count(cfg) * offload_bytes_per_element(cfg)   # 2 of 2 ranks here
+    assert offload_bytes_per_element(cfg) == 16                      # fp32 Adam, params too
+    from shardwise.models import build_model
+    assert parameter_count(cfg) == sum(p.numel() for p in build_model(cfg.model, 0).parameters())
+    assert err.count("\n") == 0 and err.startswith("error: memory.offload_dir = ")
+    assert f"needs {needed:,} bytes" in err and "has 4,096 free" in err and "fix:" in err
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
+    assert main(["train", *argv, "--print-config"]) == 0              # room: it goes ahead

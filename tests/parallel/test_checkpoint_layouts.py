@@ -7,7 +7,7 @@ fresh engine built from fresh weights, and must give A's last 2 losses and A's f
 bit for bit (dropout 0.1 in these pairs: the RNG states are restored too). single, zero3 and
 ddp take their run A from the reshard chain below. The layouts here cover each state
 shape: DDP's replicas, ZeRO's flat shards (stage 3; stage 2 with bf16 working copies and fp32
-masters offloaded to the CPU), tensor-parallel slices, a pipeline with its flat ZeRO-1, and the
+masters offloaded to the CPU; stage 3 with parameters, gradients and states offloaded to disk), tensor-parallel slices, a pipeline with its flat ZeRO-1, and the
 parameter server (ZeRO-1 and pp2 over DDP were checked the same way when this was written). No tolerance: the same
 ranks redo the same arithmetic on the same state.
 
@@ -72,6 +72,8 @@ def _seed(src: str, dst: str, rank: int = 0) -> None:
 
 EXACT = {   # name -> (strategy, parallel, memory, train): a pair of runs of their own
     "zero2-offload-bf16": ("zero2", {}, {"offload": "cpu", "mixed_precision": "bf16"}, {}),
+    # ZeRO-Infinity: parameter shards, gradients, masters and Adam states in files
+    "zero3-offload-params-disk": ("zero3", {}, {"offload": "disk", "offload_params": True}, {}),
     "tp2": ("tp", {"tp": 2}, {}, {}),
     "pp2-zero1": ("3d", {"pp": 2, "zero_stage": 1}, {}, {}),
     "ps": ("ps", {}, {}, {}),

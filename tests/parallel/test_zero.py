@@ -6,7 +6,8 @@ element by its own RMS, so near-zero elements amplify rounding). ZeRO averages t
 gradients with a reduce-scatter, whose summation order differs from the single process's
 backward, so results agree to rounding, not bitwise; rtol 1e-5 is ~100 fp32 ulps, far below any
 real divergence (a wrong shard or a missed average changes losses in the 2nd-3rd digit).
-Offload must equal no offload exactly: it is the same math on the same values, stored elsewhere.
+Offload must equal no offload exactly: it is the same math on the same values, stored elsewhere
+(with --offload-params the parameter and gradient shards too).
 """
 from dataclasses import replace
 
@@ -110,6 +111,8 @@ def world2():
              ("zero3-cpu", _cfg("zero3", memory=dict(offload="cpu"))),
              ("zero3-disk", _cfg("zero3", memory=dict(offload="disk"))),
              ("zero2-disk", _cfg("zero2", memory=dict(offload="disk"))),
+             ("zero3-disk-params", _cfg("zero3", memory=dict(offload="disk", offload_params=True))),
+             ("zero3-cpu-params", _cfg("zero3", memory=dict(offload="cpu", offload_params=True))),
              ("zero1-accum", _cfg("zero1", steps=6, memory=dict(grad_accum=2))),
              ("zero2-accum", _cfg("zero2", steps=6, memory=dict(grad_accum=2))),
              ("zero3-accum", _cfg("zero3", steps=6, memory=dict(grad_accum=2))),
@@ -120,6 +123,8 @@ def world2():
              ("zero3-ring", _cfg("zero3", steps=6, allreduce="ring"))]
     runs += [(f"{s}-bf16", _cfg(s, steps=3, memory=dict(mixed_precision="bf16")))
              for s in ("zero1", "zero2", "zero3")]
+    runs += [("zero3-bf16-disk-params", _cfg("zero3", steps=3, memory=dict(
+        mixed_precision="bf16", offload="disk", offload_params=True)))]
     runs += [("zero3-bf16-text", _cfg("zero3", memory=dict(mixed_precision="bf16"), data=True)),
              ("zero2-fp16-text", _cfg("zero2", memory=dict(mixed_precision="fp16"), data=True))]
     return run_world(_train_many, 2, runs, timeout=240)[0]
@@ -169,6 +174,37 @@ def test_offload_equals_no_offload_exactly(world2, tag, base):
         assert a["ledger"]["on_disk"] == (4 + 8) * p // 2   # fp32 master + two moments, 1/N
     else:
         assert a["ledger"]["master_weights"] == 4 * a["padded"] // 2
+
+
+@pytest.mark.parametrize("tag", ["zero3-disk-params", "zero3-cpu-params"])
+def test_offloaded_parameters_equal_single_and_no_offload(world2, reference, tag):
+    """--offload-params (ZeRO-Infinity): the same values, stored elsewhere and gathered per unit,
+    so single-process training to fp32 rounding and ZeRO-3 without offload bit for bit."""
+    r, base = world2[tag], world2["zero3"]
+    assert_close_runs(r["losses"], reference["adam"][0], r["params"], reference["adam"][1],
+                      RTOL, ATOL, WHY)
+    assert r["losses"] == base["losses"]
+    for name in base["params"]:
+        assert torch.equal(r["params"][name], base["params"][name]), name
+    p = r["padded"]
+    if "disk" in tag:   # shard (= the fp32 master), gradient shard, two moments: 16 B, 1/N
+        assert r["ledger"]["on_disk"] == r["mapped"] == 16 * p // 2
+        assert r["ledger"]["parameters"] == r["ledger"]["gradients"] == 0
+        assert r["ledger"]["optimizer_states"] == r["ledger"]["master_weights"] == 0
+    else:               # a CPU run: host memory is the device; the master is the shard itself
+        assert r["ledger"]["master_weights"] == 0 and r["ledger"]["on_disk"] == 0
+        assert r["ledger"]["parameters"] == 4 * p // 2
+
+
+def test_offloaded_bf16_parameters_equal_no_offload(world2):
+    """bf16 working shards and gradients in files beside the fp32 masters: 4 + 2 + 2 + 8 bytes
+    per element on disk, and the same training as ZeRO-3 bf16 without offload, bit for bit."""
+    r, base = world2["zero3-bf16-disk-params"], world2["zero3-bf16"]
+    assert r["losses"] == base["losses"]
+    for name in base["params"]:
+        assert torch.equal(r["params"][name], base["params"][name]), name
+    assert r["ledger"]["on_disk"] == r["mapped"] == 16 * r["padded"] // 2
+    assert r["shard_dtypes"] == {torch.bfloat16} and r["master_dtypes"] == {torch.float32}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

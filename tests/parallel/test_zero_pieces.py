@@ -1,4 +1,5 @@
 """The pieces under ZeRO, without a world: flat layouts and shards, storage release, offload."""
+import pytest
 import torch
 
 from shardwise.comm.flat import (FlatLayout, alloc_storage, free_storage,
@@ -109,3 +110,74 @@ def test_ddp_and_zero_buckets_come_from_one_planner():
     assert len(plans["ddp"]) > 2
     assert plans["ddp"] == plans["zero1"] == plans["zero2"]
     assert plans["ddp"][0][0] == last          # the last registered parameter fills first
+
+
+def test_disk_store_holds_any_dtype_and_pages_round_trip(tmp_path):
+    """Any dtype in a file (bf16 parameter shards under --offload-params); a tensor written,
+    written back and dropped on the store's thread, then read in again, keeps its values."""
+    store = OffloadStore("disk", torch.device("cpu"), str(tmp_path))
+    a, b = store.zeros(5000), store.zeros(7, torch.bfloat16)
+    a.copy_(torch.arange(5000.0))
+    b.fill_(1.5)
+    store.release([a, b])
+    store.prefetch([a])
+    store.drain()
+    assert torch.equal(a, torch.arange(5000.0)) and b.tolist() == [1.5] * 7
+    assert store.mapped_bytes == 5000 * 4 + 7 * 2
+    store.close()
+    assert torch.equal(a, torch.arange(5000.0))        # still mapped while the tensor lives
+
+
+def test_disk_store_refuses_a_full_disk_naming_the_file(tmp_path, monkeypatch):
+    """Blocks are reserved when a tensor is made: a filesystem without room refuses there, an
+    OffloadIOError naming the file (never a SIGBUS on a later write into a hole)."""
+    import errno
+    import os
+    from shardwise.memory.offload_io import OffloadIOError
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    store = OffloadStore("disk", torch.device("cpu"), str(tmp_path))
+    with pytest.raises(OffloadIOError) as exc:
+        store.zeros(1000)
+    assert exc.value.errno == errno.ENOSPC and str(tmp_path) in exc.value.filename
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_write_back_surfaces_on_the_training_thread_as_one_line(tmp_path):
+    """A failed page operation (here: an address no mapping starts at, EINVAL) is raised on
+    the training thread as an OffloadIOError naming the file (a job of the writer thread: by
+    the next call, or drain); ranks.resource_error turns it into one line."""
+    from types import SimpleNamespace
+    from shardwise.launch.ranks import resource_error
+    from shardwise.memory.offload_io import DiskIO, OffloadIOError, Region
+    io = DiskIO()
+    bad = Region(mapping=None, address=1, length=4096, path=str(tmp_path / "state.bin"))
+    with pytest.raises(OffloadIOError) as exc:  # madvise / msync of an unaligned address
+        io.write_back([bad])
+        io.drain()
+    io.close()
+    line = resource_error(exc.value, SimpleNamespace(logging=SimpleNamespace(out_dir="runs"),
+                                                     memory=SimpleNamespace(offload="disk")))
+    assert line and "\n" not in line and str(tmp_path / "state.bin") in line and "fix:" in line
+
+
+def test_a_failed_background_write_is_raised_by_drain(tmp_path, monkeypatch):
+    """The writer thread's failure (a full or broken disk at msync) waits for the training
+    thread's next call: drain raises it, naming the file."""
+    import errno
+    from shardwise.memory import offload_io
+
+    def broken(regions):
+        raise offload_io.OffloadIOError(errno.EIO, "offload=disk: writing failed (I/O error)",
+                                        regions[0].path)
+    monkeypatch.setattr(offload_io, "sync", broken)
+    store = OffloadStore("disk", torch.device("cpu"), str(tmp_path))
+    t = store.zeros(100)
+    t.fill_(3.0)
+    store.release([t])                      # dropped at once; the write fails in the background
+    with pytest.raises(offload_io.OffloadIOError) as exc:
+        store.drain()
+    assert exc.value.errno == errno.EIO and "shardwise-rank0-" in exc.value.filename
+    assert t.sum().item() == 300.0          # the data stayed in the file's pages

@@ -118,6 +118,26 @@ def zero3_memory(rank, world, **args):
     return _memory_side("zero3", rank, world, **args)
 
 
+def zero3_offload_params_memory(rank, world, offload="disk", **args):
+    """ZeRO-3 at 57M with parameters, gradients, masters and Adam states offloaded
+    (``--offload disk --offload-params``); ``extra`` adds what the row's goal is about: the
+    bytes offloaded (the ledger's ``on_disk``) and the peaks of prepare and of training."""
+    out = _memory_side("zero3", rank, world, memory={"offload": offload,
+                                                     "offload_params": True}, **args)
+    return _phases(out)
+
+
+def zero3_memory_phases(rank, world, **args):
+    return _phases(_memory_side("zero3", rank, world, **args))
+
+
+def _phases(out: dict) -> dict:
+    out["extra"].update(peak_prepare=out["peak_prepare"], peak_train=out["peak_train"],
+                        offloaded=out["ledger"].get("on_disk", 0),
+                        ledger_at_peak=out["ledger_instant"])
+    return out
+
+
 def zero2_memory(rank, world, **args):
     return _memory_side("zero2", rank, world, **args)
 
@@ -151,6 +171,11 @@ ROWS = [
         peer_name=FSDP2),
     Row("zero2-memory-57m-vs-torch-ddp", zero2_memory, torch_ddp_memory, world=2,
         args={"steps": 4, "batch": 4}, goal="peak RSS < torch DDP's", peer_name="torch DDP"),
+    # ZeRO-Infinity at 57M (issue 30): throughput >= 0.85x, peak RSS below by >= 0.9 x offloaded
+    Row("zero3-offload-params-disk-vs-none", zero3_offload_params_memory, zero3_memory_phases,
+        world=2, args={"steps": 4, "batch": 4}, quick_args={"steps": 3},
+        goal="throughput >= 0.85x; peak RSS below by >= 0.9 x the offloaded bytes",
+        peer_name="shardwise ZeRO-3 without offload"),
     Row("zero3-offload-disk-vs-none", zero3_big, zero3_big_no_offload, world=2,
         args={"offload": "disk"}, goal="peak memory drops (ratio < 1), throughput cost stated",
         peer_name="shardwise ZeRO-3 without offload"),

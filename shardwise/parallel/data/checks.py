@@ -8,6 +8,7 @@ pure, so the launcher runs it before any process starts. Which stage reads what:
     grad_compression   stage 0
     zero3_units        stage 3
     offload            stages 1-3; offload_dir with offload = disk
+    offload_params     stage 3 with offload cpu or disk
     zero1_over_dp      a pipeline's old name for --zero-stage 1
     dp_shard,          stages 1-3 (HSDP: shard inside groups of dp_shard ranks, all-reduce the
     dp_replicate       gradient shards across the dp_replicate groups)
@@ -32,6 +33,7 @@ def reads(cfg: Config, stage: int) -> dict[str, bool]:
         "grad_compression": composed and stage == 0,
         "zero3_units": composed and stage == 3, "offload": composed and stage >= 1,
         "offload_dir": composed and stage >= 1 and cfg.memory.offload == "disk",
+        "offload_params": composed and stage == 3 and cfg.memory.offload != "none",
         "zero1_over_dp": composed and p.pp > 1,
         "dp_shard": composed and stage >= 1, "dp_replicate": composed and stage >= 1,
     }
@@ -60,7 +62,9 @@ def hsdp(cfg: Config, dp: int) -> tuple[int, int]:
 
 
 def check(cfg: Config, world_size: int, stage: int, dp: int | None = None) -> None:
-    """Class names for ZeRO-3's units must be identifiers; HSDP's sizes make the dp size."""
+    """Class names for ZeRO-3's units must be identifiers; HSDP's sizes make the dp size;
+    parameters are offloaded only by ZeRO-3 and only to a place ``offload`` names."""
+    check_offload_params(cfg, stage)
     if dp is not None and stage >= 1:
         hsdp(cfg, dp)
     names = [c.strip() for c in cfg.parallel.zero3_units.split(",") if c.strip()]
@@ -69,6 +73,23 @@ def check(cfg: Config, world_size: int, stage: int, dp: int | None = None) -> No
         raise ConfigError("parallel.zero3_units", cfg.parallel.zero3_units,
                           f"{bad[0]!r} is not a class name", "give module class names, e.g. "
                           "'Block' or 'GPT2Block,LlamaDecoderLayer'")
+
+
+def check_offload_params(cfg: Config, stage: int) -> None:
+    """``offload_params`` needs ZeRO-3 (the only stage whose parameters are shards) and an
+    ``offload`` place to move them to (the place of the masters and optimizer states)."""
+    m = cfg.memory
+    if not m.offload_params:
+        return
+    composed = cfg.parallel.strategy in COMPOSED
+    if composed and stage == 3 and m.offload != "none":
+        return
+    what = (f"the run is {['DDP', 'ZeRO-1', 'ZeRO-2', 'ZeRO-3'][stage]}" if composed else
+            f"the run is {cfg.parallel.strategy}")
+    why = ("there is no --offload place to move them to" if composed and stage == 3 else
+           f"only ZeRO-3 keeps parameters as shards to offload ({what})")
+    raise ConfigError("memory.offload_params", True, why, "use --zero-stage 3 (or --strategy "
+                      "zero3) with --offload cpu or disk, or drop --offload-params")
 
 
 class UnusedParameters(ConfigError, RuntimeError):

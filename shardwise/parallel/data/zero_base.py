@@ -26,8 +26,8 @@ keeps its shard and drops the rest, so no rank ever holds the whole model. Buffe
 broadcast from dp rank 0 after every step: they follow rank 0's shard statistics, as torch DDP's
 ``broadcast_buffers`` does. The optimizer is stepped one chunk at a time (the other masters'
 ``.grad`` are None, so torch.optim skips them): the math equals one step over all of them, the
-next chunk's all-gather can start while the next chunk steps, and with disk offload only one
-chunk's states are resident at a time.
+next chunk's all-gather can start while the next chunk steps, and with disk offload only the
+chunk being stepped and the next one (read ahead on the store's thread) are resident.
 
 Gradients (stages 2-3): on a chunk's first gradient in a backward, a flat staging buffer is
 allocated and every parameter's ``.grad`` becomes a view of it, so autograd accumulates the
@@ -35,8 +35,9 @@ others in place; when the chunk's last gradient arrives the buffer is reduce-sca
 gradient shard and freed as soon as that finishes. At most ``MAX_GRAD_BUFFERS`` (2) whole-size
 buffers live at once (one filling, one reducing): opening a third waits for the oldest reduction.
 
-Masters: in fp32 without offload the master *is* the shard (a view, no copy). With bf16 / fp16
-working copies, or with offload, the master is a separate fp32 tensor in the
+Masters: in fp32 without offload the master *is* the shard (a view, no copy), and so it is with
+``--offload-params`` (stage 3), where the shard itself lives in the store. With bf16 / fp16
+working copies, or with offload of the optimizer only, the master is a separate fp32 tensor in the
 :class:`~shardwise.memory.offload.OffloadStore` (device, CPU or disk), initialised from the fp32
 weights before they are cast. fp16 uses dynamic loss scaling (2^16, halved and the step skipped
 on inf/nan, doubled after 1000 clean steps). Clipping (base.Strategy.clip_grad_norm_): squares of
@@ -98,6 +99,12 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         self.chunks: list[Chunk] = []
         self.store = OffloadStore(cfg.memory.offload, device, cfg.memory.offload_dir,
                                   tag=f"rank{mesh.rank}")
+        # --offload-params (stage 3): parameter shards live in the store; reduced gradients
+        # too, unless the store is this CPU run's own memory (then they stay transient)
+        self.params_offloaded = (self.stage == 3 and cfg.memory.offload_params
+                                 and self.store.place != "none")
+        self.grads_offloaded = self.params_offloaded and (self.store.place == "disk"
+                                                          or device.type != "cpu")
         self._syncing = True
         self._ag_name = "zero_param_ag"
         self._init_ledger()                            # transient buffers (zero_ledger.py)
@@ -139,7 +146,11 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         if full_sharded:   # stage 3: own a copy of the shard; the whole chunk is gathered on use
             own = _own_slice(layout, params, rank, self.device)   # not the whole flat copy
             full = torch.empty(layout.padded, dtype=self.dtype, device=self.device)
-            shard = own if self.dtype == torch.float32 else own.to(self.dtype)
+            if self.params_offloaded:              # in the store (pinned host memory on CUDA)
+                shard = self.store.zeros(layout.shard_numel, self.dtype, pin=True)
+                shard.copy_(own)
+            else:
+                shard = own if self.dtype == torch.float32 else own.to(self.dtype)
         else:
             fp32 = layout.new_flat([p.detach() for p in params], torch.float32, self.device)
             own = layout.shard(fp32, rank)
@@ -147,7 +158,7 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
             shard = layout.shard(full, rank)
         for p, view in zip(params, layout.views(full)):
             p.data = view
-        if self.dtype == torch.float32 and self.store.place == "none":
+        if self.dtype == torch.float32 and (self.store.place == "none" or self.params_offloaded):
             master = shard                               # the shard itself: no copy in fp32
         else:
             master = self.store.zeros(layout.shard_numel, pin=True)   # copied each step
@@ -303,10 +314,30 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
     def _after_chunk_step(self, index: int) -> None:
         """Stages 1-2 launch the chunk's all-gather here."""
 
+    def _chunk_state(self, c: Chunk) -> list[torch.Tensor]:
+        """The chunk's tensors the step writes: master, shard and every optimizer state of
+        its master views (what the disk tier reads ahead, then writes back and drops)."""
+        out = [c.master, c.shard]
+        for _, _, _, view in c.masters:
+            out += [v for v in self.optimizer.state.get(view, {}).values()
+                    if torch.is_tensor(v) and v.dim() > 0]
+        return out
+
+    def _read_ahead(self, c: Chunk) -> None:
+        """Disk offload: the chunk's state (overwritten by its step) and gradient shard (read)."""
+        self.store.prefetch(self._chunk_state(c), write=True)
+        self.store.prefetch([c.grad_shard])
+
     @torch.no_grad()
     def _optimizer_step(self) -> None:
-        """Phase 2 of 3: update each chunk's masters, copy into the shard, start its gather."""
+        """Phase 2 of 3: update each chunk's masters, copy into the shard, start its gather.
+        With disk offload the next chunk's state is read in on the store's thread while this
+        chunk steps, and each stepped chunk is written back there (memory/offload.py)."""
+        if self.chunks:
+            self._read_ahead(self.chunks[0])
         for i, c in enumerate(self.chunks):
+            if i + 1 < len(self.chunks):
+                self._read_ahead(self.chunks[i + 1])
             g = self._master_grad(c)
             for _, lo, hi, view in c.masters:
                 view.grad = g[lo:hi]
@@ -319,7 +350,8 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
                 states += [v for v in state.values() if torch.is_tensor(v)]
             if c.master.data_ptr() != c.shard.data_ptr():   # fp32 -> working dtype / device
                 self.store.to_device(c.shard, c.master)       # non-blocking on CUDA
-            self.store.release([c.master, *states])
+            self.store.release([c.master, c.shard, *states])
+            self.store.release([c.grad_shard], written=False)   # spent: the next backward
             self._after_chunk_step(i)
         self.store.wait_copies()        # the masters may be written again (offload.py)
 

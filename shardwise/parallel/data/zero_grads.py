@@ -57,18 +57,20 @@ class ZeroGradients:
         c.extra.pop("views")
         for p in c.params:
             p.grad = None
-        temp = None
-        if not c.grad_valid:               # the step's first gradient: the shard comes to life
+        temp, mode = None, "add"
+        away = c.grad_shard.device != staging.device     # offloaded from a GPU: host memory
+        if not c.grad_valid and not self.grads_offloaded:   # the shard comes to life
             alloc_storage(c.grad_shard)
-        else:
-            temp = c.grad_shard.new_empty(c.grad_shard.shape)
+        if c.grad_valid or away:           # into a temporary, added (or copied) on completion
+            temp = staging.new_empty(c.grad_shard.shape)
+            mode = "add" if c.grad_valid else "into"
             self._alloc("staging", storage_bytes(temp))
         backend = self._backend_bytes(storage_bytes(staging))
         self._alloc("backend", backend)
         work = self._reduce_scatter(temp if temp is not None else c.grad_shard, staging,
                                     async_op=async_op)
         c.grad_valid = True
-        self._reducing.append((c, work, temp, staging, "add", backend))
+        self._reducing.append((c, work, temp, staging, mode, backend))
         if not async_op:
             self._retire(self._reducing.pop())      # already done: free the staging now
 
@@ -78,11 +80,14 @@ class ZeroGradients:
         work.wait()
         self._release("backend", backend)
         if temp is not None:
-            c.grad_shard.add_(temp) if mode == "add" else c.grad_shard.copy_(temp)
+            src = temp.to(c.grad_shard.device)            # a GPU's shard to the host store
+            c.grad_shard.add_(src) if mode == "add" else c.grad_shard.copy_(src)
             self._release("staging", storage_bytes(temp))
         if staging is not None:
             self._release("staging", storage_bytes(staging))
         c.grad_valid = True
+        if self.grads_offloaded:
+            self.store.release([c.grad_shard])    # streams out: written back, dropped from RAM
 
     def _finish_reductions(self) -> None:
         """Phase 1: wait for every reduce-scatter, oldest first."""
@@ -119,12 +124,16 @@ class ZeroGradients:
                 self._launch(c)
 
     def _local_grad_sq(self) -> torch.Tensor:
-        """Squares of this rank's gradient shards (disjoint over the dp group; padding is 0)."""
-        if self.plan is None:
-            sq = grad_sq([c.grad_shard for c in self.chunks], self.device)
-        else:   # tensor parallel: tp-replicated entries are counted on tp rank 0 only
-            sq = grad_sq([c.grad_shard[a:b] for c in self.chunks for a, b in self._counted(c)],
-                         self.device)
+        """Squares of this rank's gradient shards (disjoint over the dp group; padding is 0);
+        offloaded shards are read one at a time and dropped again."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for c in self.chunks:
+            if self.plan is None:
+                sq += grad_sq([c.grad_shard], self.device)
+            else:   # tensor parallel: tp-replicated entries are counted on tp rank 0 only
+                sq += grad_sq([c.grad_shard[a:b] for a, b in self._counted(c)], self.device)
+            if self.grads_offloaded:
+                self.store.release([c.grad_shard], written=False)   # only read here
         return sq / (self.scale * self.scale) if self.scale != 1.0 else sq
 
     def _sum_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:
@@ -137,11 +146,16 @@ class ZeroGradients:
     def _zero_grads(self) -> None:
         """Stages 2-3 free the gradient shards until the next backward fills them (so they do
         not sit beside the activations at the start of backward); stage 1 zeroes its buckets."""
+        if self.grads_offloaded:
+            return                          # they live in the store, out of RAM between uses
         for c in self.chunks:
             free_storage(c.grad_shard)
 
     def _grad_shard_bytes(self) -> int:
-        """Bytes of every gradient shard while it lives (from the reduce-scatter to the step)."""
+        """Bytes of every gradient shard while it lives (from the reduce-scatter to the step;
+        always, in host memory, when offloaded from a GPU); 0 on disk (``on_disk`` has them)."""
+        if self.grads_offloaded and self.store.place == "disk":
+            return 0
         return sum(c.layout.shard_numel * c.shard.element_size() for c in self.chunks)
 
     def _master_grad(self, c: Chunk) -> torch.Tensor:

@@ -52,6 +52,8 @@ class ZeroLedger:
         """Stages 2-3: the gradient shards' bytes alive now (stage 1's are bucket views)."""
         if self.stage < 2:
             return None
+        if self.grads_offloaded:
+            return None                        # in the store for the whole run (memory_ledger)
         return sum(storage_bytes(c.grad_shard) for c in self.chunks)
 
     def _release(self, kind: str, nbytes: int) -> None:
@@ -67,17 +69,28 @@ class ZeroLedger:
     def memory_ledger(self) -> dict[str, int]:
         """Bytes this rank holds by category. ``comm_buffers`` is the high-water mark of every
         transient buffer together (see the module docstring); :meth:`transient_peaks` splits it.
-        ``on_disk``: what disk offload keeps off RAM."""
+        The categories count memory (the device's, and for ``offload cpu`` on a GPU the host's
+        too, as masters and states always were); ``on_disk`` counts, apart, what disk offload
+        keeps in memory-mapped files: masters, optimizer states, and with ``--offload-params``
+        the parameter and gradient shards (each tensor once; the pages a step has read in are
+        transient and dropped again, memory/offload.py)."""
         masters = [c.master for c in self.chunks if c.master.data_ptr() != c.shard.data_ptr()]
         master_bytes = tensor_bytes(masters)
         state_bytes = optimizer_state_bytes(self.optimizer)
         on_disk = 0
         if self.store.place == "disk":
             on_disk, master_bytes, state_bytes = master_bytes + state_bytes, 0, 0
+            on_disk += self._stored_bytes()
         return {"parameters": self._param_bytes() + tensor_bytes(self.frozen),
                 "gradients": self._grad_bytes(), "optimizer_states": state_bytes,
                 "master_weights": master_bytes, "comm_buffers": self._peak["total"],
                 "activations_peak": self._act_peak, "on_disk": on_disk}
+
+    def _stored_bytes(self) -> int:
+        """Parameter and gradient shards that ``--offload-params`` keeps in the store."""
+        shards = [c.shard for c in self.chunks] if self.params_offloaded else []
+        grads = [c.grad_shard for c in self.chunks] if self.grads_offloaded else []
+        return tensor_bytes(shards + grads)
 
     def transient_peaks(self) -> dict[str, int]:
         """High-water marks: ``staging`` (whole-size gradient buffers and temporaries),

@@ -41,7 +41,17 @@ on CPU. On CUDA a blocking reduce-scatter would make the compute stream wait for
 every unit, serialising communication with the rest of backward; there it runs asynchronously
 and costs at most the one extra whole-size buffer ``MAX_GRAD_BUFFERS`` allows. Traffic per
 step: 3(N-1)/N K (two all-gathers and one reduce-scatter), 1.5x DDP. With ``overlap`` off nothing
-is prefetched and every collective blocks. Reference: ZeRO (SC 2020), "P_os+g+p"; Zhao et al.,
+is prefetched and every collective blocks.
+
+Offloaded parameters (``--offload cpu|disk --offload-params``, ZeRO-Infinity): each unit's shard
+lives in the offload store (memory/offload.py; in fp32 it is also the master) and is read only by
+the unit's all-gathers and the step; each reduced gradient shard is reduce-scattered straight
+into the store (from a GPU: into a device temporary, then copied). With disk, a shard is dropped
+from memory as soon as its gather is done, a gradient as soon as it is reduced; the next unit's
+shard is read by its prefetched all-gather on the backend's thread (or, with a blocking gather
+or a GPU's copy, read ahead on the store's), so resident memory holds the gathered units and a
+shard or two, not the 16P/N of state: that is all on disk (the ledger's ``on_disk``). Traffic is unchanged; the disk moves per step about 3 reads of the shards, 2 of the
+gradients, and one read and write of masters and states (the page cache absorbs what fits). Reference: ZeRO (SC 2020), "P_os+g+p"; Zhao et al.,
 "PyTorch FSDP" (VLDB 2023) for the unit / prefetch / reshard-after-forward structure.
 """
 from __future__ import annotations
@@ -147,8 +157,12 @@ class Zero3Strategy(ZeroBase):
                 self.materializer.fill(params)  # (its whole weights, dropped once sharded)
             c = self._make_chunk(params, full_sharded=True)
             free_storage(c.full)
-            c.grad_shard = c.shard.new_zeros(c.shard.shape)
-            free_storage(c.grad_shard)        # alive from its reduce-scatter to the step
+            if self.grads_offloaded:          # reduced straight into the store (offload.py)
+                c.grad_shard = self.store.zeros(c.layout.shard_numel, self.dtype, pin=True)
+            else:
+                c.grad_shard = torch.zeros(c.shard.shape, dtype=self.dtype, device=self.device)
+                free_storage(c.grad_shard)    # alive from its reduce-scatter to the step
+            self.store.release([c.shard, c.grad_shard])   # disk: out of RAM until gathered
             c.extra.update(state=FREE, work=None, index=index, backward=False)
             module.register_forward_pre_hook(self._pre_forward_hook(c))
             module.register_forward_hook(self._post_forward_hook(c))
@@ -163,7 +177,10 @@ class Zero3Strategy(ZeroBase):
         self._alloc("gathered", storage_bytes(c.full))
         c.extra["backend"] = self._backend_bytes(storage_bytes(c.full))   # gloo's own copy
         self._alloc("backend", c.extra["backend"])
-        c.extra["work"] = self._all_gather(c.full, c.shard, async_op=async_op)
+        src = c.shard
+        if src.device != self.device:         # offloaded from a GPU: to the device first
+            src = c.extra["src"] = src.to(self.device, non_blocking=True)
+        c.extra["work"] = self._all_gather(c.full, src, async_op=async_op)
         c.extra["state"] = INFLIGHT
 
     def _gather(self, c: Chunk) -> None:
@@ -176,8 +193,19 @@ class Zero3Strategy(ZeroBase):
         c.extra["work"].wait()
         self._release("backend", c.extra.pop("backend"))
         c.extra["work"], c.extra["state"] = None, HELD
+        c.extra.pop("src", None)
+        if self.params_offloaded:
+            self.store.release([c.shard], written=False)   # gathered: may leave RAM again
 
     def _prefetch(self, index: int, backward: bool) -> None:
+        """Start the all-gather of unit ``index`` (the next in this direction). With disk
+        offload its shard is read in on a background thread: the backend's, which runs the
+        asynchronous gather on a CPU run; else the store's (a blocking gather; a GPU run,
+        whose copy to the device is made on this thread)."""
+        if self.params_offloaded and (not self.overlap or self.device.type != "cpu"):
+            ahead = index + (1 if self.overlap else 0) * (-1 if backward else 1)
+            if 0 <= ahead < len(self.chunks):
+                self.store.prefetch([self.chunks[ahead].shard])
         if self.overlap and 0 <= index < len(self.chunks):
             c = self.chunks[index]
             if not backward or c.extra["backward"]:
@@ -234,6 +262,9 @@ class Zero3Strategy(ZeroBase):
 
     # -- ledger ---------------------------------------------------------------------------
     def _param_bytes(self) -> int:
+        """Parameter shards held in memory (0 on disk: the ledger's ``on_disk`` has them)."""
+        if self.params_offloaded and self.store.place == "disk":
+            return 0
         return sum(storage_bytes(c.shard) for c in self.chunks)
 
     def _grad_bytes(self) -> int:

@@ -18,6 +18,7 @@ class ZeroStateMixin:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter by name, in fp32, gathered from the masters (a collective); frozen
         parameters, which every rank holds whole, as they are (fp32)."""
+        self.store.drain()                  # disk offload: every write finished (or raised)
         names = {p: n for n, p in self.model.named_parameters()}
         out = {}
         for c in self.chunks:
@@ -36,6 +37,7 @@ class ZeroStateMixin:
     def state_dict(self) -> dict:
         """This rank's shards: masters and the optimizer (a per-rank file), plus the buffers and
         frozen parameters every rank holds alike."""
+        self.store.drain()
         return {"stage": self.stage, "rank": self.group.rank, "world": self.group.size,
                 "masters": [c.master.detach().cpu().clone() for c in self.chunks],
                 "optimizer": self.optimizer.state_dict(), "scale": self.scaler.state_dict(),
@@ -75,6 +77,7 @@ class ZeroStateMixin:
         the tp pieces), and the scalars (Adam's step) from the views. The state names are
         agreed over dp first (one object collective), since a rank may hold no view of a chunk.
         Memory: one whole chunk per state at a time on the device, the result on CPU."""
+        self.store.drain()
         names = {p: n for n, p in self.model.named_parameters()}
         mine = {}
         for c in self.chunks:
