@@ -208,14 +208,36 @@ def _checkpoint(engine: Engine, cfg: Config, done: int, last: bool, saved: int,
 
 def _save_final(engine: Engine, out: str, main: bool) -> None:
     """``final.safetensors`` in the run directory: the plain model's parameters by name after
-    the last step (gathered from any layout), which ``shardwise generate`` samples from."""
-    from safetensors.torch import save_file
-    state = {k: v.contiguous() for k, v in engine.full_state_dict().items()}
-    if main:
-        os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, FINAL_WEIGHTS)
-        save_file(state, path + ".tmp", metadata={"format": "pt"})
-        os.replace(path + ".tmp", path)
+    the last step (gathered from any layout), which ``shardwise generate`` samples from. Where
+    the strategy gathers a chunk at a time (ZeRO: ``full_state_order``), rank 0 streams the
+    file through checkpoint/export.py's writer, holding one chunk and one write group, never
+    the whole model; else the whole state is gathered and written at once."""
+    order = getattr(engine.strategy, "full_state_order", lambda: None)()
+    path = os.path.join(out, FINAL_WEIGHTS)
+    if order is None:
+        from safetensors.torch import save_file
+        state = {k: v.contiguous() for k, v in engine.full_state_dict().items()}
+        if main:
+            os.makedirs(out, exist_ok=True)
+            save_file(state, path + ".tmp", metadata={"format": "pt"})
+            os.replace(path + ".tmp", path)
+        return
+    groups = engine.strategy.full_state_groups()
+    try:
+        if main:
+            from shardwise.checkpoint import export as export_io
+            os.makedirs(out, exist_ok=True)
+            buffer: dict = {}
+
+            def read(keys: list[str]) -> dict:
+                while any(k not in buffer for k in keys):
+                    buffer.update(next(groups))
+                return {k: buffer.pop(k) for k in keys}
+            specs = [export_io.Spec(n, n, shape, torch.float32) for n, shape in order]
+            export_io.write(path, specs, read, export_io.READ_BUFFER)
+    finally:
+        for _ in groups:        # every rank gathers every chunk (the collectives must match)
+            pass
 
 
 def _per_rank(rt: Runtime, value) -> list:

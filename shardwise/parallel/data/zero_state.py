@@ -34,6 +34,35 @@ class ZeroStateMixin:
                 out[n] = p.detach().float().cpu().clone()
         return self._whole({n: out[n] for n, _ in self.model.named_parameters()})
 
+    def full_state_order(self) -> list[tuple[str, tuple[int, ...]]] | None:
+        """(name, shape) of every parameter in the order :meth:`full_state_groups` yields
+        them (chunk by chunk, then the rest); None under tensor parallelism (its pieces are
+        gathered whole: full_state_dict)."""
+        if getattr(self, "plan", None) is not None:
+            return None
+        names = {p: n for n, p in self.model.named_parameters()}
+        order = [(names[p], tuple(p.shape)) for c in self.chunks for p in c.params]
+        seen = {n for n, _ in order}
+        return order + [(n, tuple(p.shape)) for n, p in self.model.named_parameters()
+                        if n not in seen]
+
+    def full_state_groups(self):
+        """full_state_dict a chunk at a time, as fp32 CPU tensors by name (a collective: every
+        rank iterates it to the end, in the same order): the memory of one gathered chunk, not
+        of the whole model (a streamed final.safetensors)."""
+        self.store.drain()
+        names = {p: n for n, p in self.model.named_parameters()}
+        for c in self.chunks:
+            full = torch.empty(c.layout.padded, dtype=torch.float32, device=self.device)
+            self._all_gather(full, c.master.detach().to(self.device), async_op=False,
+                             name="zero_state_ag")
+            yield {names[p]: view.detach().cpu().clone()
+                   for p, view in zip(c.params, c.layout.views(full))}
+            del full
+        done = {names[p] for c in self.chunks for p in c.params}
+        yield {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()
+               if n not in done}
+
     def state_dict(self) -> dict:
         """This rank's shards: masters and the optimizer (a per-rank file), plus the buffers and
         frozen parameters every rank holds alike."""
