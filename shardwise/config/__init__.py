@@ -72,6 +72,8 @@ class DataConfig:
                       "UTF-8 files (--data-path, --tokenizer)", DATASETS)
     data_dir: str = _f("", "directory holding the MNIST / Fashion-MNIST IDX files (.gz or raw)")
     max_bytes: int = _f(4_000_000, "stdlib corpus: read at most this many bytes of source")
+    repeat_batch: bool = _f(False, "train on the first batch at every step: an overfitting "
+                            "check (the loss must fall), e.g. a huge model's first steps")
     val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
     data_path: str = _f("", "--dataset text: your UTF-8 text, a file, a directory (every file "
                         "below it, hidden ones left out), a quoted glob ('books/**/*.txt') or a "

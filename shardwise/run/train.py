@@ -128,7 +128,8 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
             rt.comm.at_step(step + 1)
             lr = lr_at(step, cfg)
             engine.strategy.set_lr(lr)
-            x, y = data.batch(step, cfg.train.batch_size, index, count)
+            x, y = data.batch(0 if cfg.data.repeat_batch else step, cfg.train.batch_size,
+                              index, count)
             sent0 = rt.comm.meter.total().bytes_sent
             t0 = time.perf_counter()
             loss = engine.train_step(x, y)

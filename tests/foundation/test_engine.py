@@ -143,3 +143,18 @@ def test_dict_outputs_frozen_groups_and_clipping_single_and_dp():
         engine.step()
     torch.testing.assert_close(got, norms, **close)
     torch.testing.assert_close(engine.full_state_dict(), params, **close)
+
+
+def test_repeat_batch_overfits_one_batch():
+    """--repeat-batch trains on the first batch every step: the loss on it falls steadily."""
+    from dataclasses import replace as _replace
+
+    from reference import tiny_config
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
+    cfg = tiny_config("single", steps=12)
+    cfg = _replace(cfg, data=_replace(cfg.data, repeat_batch=True))
+    losses = train(cfg, init_runtime(cfg), quiet=True)["losses"]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.7 * losses[0], losses
+    other = train(_replace(cfg, data=_replace(cfg.data, repeat_batch=False)), quiet=True)["losses"]
+    assert losses[0] == other[0] and losses[1:] != other[1:]     # the same first batch only
