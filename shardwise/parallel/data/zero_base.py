@@ -145,10 +145,9 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
             full = fp32 if self.dtype == torch.float32 else fp32.to(self.dtype)
             shard = layout.shard(full, rank)
         for p, view in zip(params, layout.views(full)):
-            if p.is_meta:          # ZeRO-3 on a meta-device model: its values are in ``own``
-                swap_in(p, view)
-            else:
-                p.data = view
+            if p.is_meta:   # ZeRO-3 on a meta-device model (its values are in ``own``): off
+                swap_in(p, view.new_empty(0))   # meta first; not swapped for the view itself,
+            p.data = view       # whose version counter (full's) gathers bump under autograd
         if self.dtype == torch.float32 and self.store.place == "none":
             master = shard                               # the shard itself: no copy in fp32
         else:
