@@ -121,6 +121,23 @@ def test_hf_weights_at_world_1(tmp_path):
     assert ranks[0]["single"]["read"] == sum(_file_bytes(path).values())
 
 
+def test_hf_weights_in_bf16_load_into_an_fp32_model(tmp_path):
+    """A bf16 checkpoint into the fp32 model: each value converted (exact: bf16 -> fp32 is)."""
+    import transformers
+    path = _save("llama", tmp_path)
+    transformers.AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16).save_pretrained(
+        str(tmp_path / "bf16"), max_shard_size="200KB")
+    ranks = run_world(_load, 1, [("single", _cfg("hf:llama", str(tmp_path / "bf16"), {},
+                                                  "single"))], timeout=120)
+    want = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"),
+                                                             dtype=torch.float32).state_dict()
+    state = ranks[0]["single"]["state"]
+    assert all(state[k].dtype == torch.float32 for k in want)
+    bad = [k for k in want if not torch.equal(state[k], want[k])]
+    assert not bad, bad
+    assert ranks[0]["single"]["read"] == sum(_file_bytes(str(tmp_path / "bf16")).values())
+
+
 def _check_equal(family: str, path: str, ranks: list, tags: list) -> None:
     """Every rank's gathered state equals from_pretrained(path)'s, tensor for tensor."""
     want = _expected(path)
