@@ -370,7 +370,10 @@ class Materializer:
         self.fill([*module.parameters(), *module.buffers()])
 
     def release(self) -> None:
+        """Drop the unit held and close the source's files (their mapped pages go too)."""
         self._held = None
+        if self.source is not None:
+            self.source.close()
 
 
 def is_meta(model: nn.Module) -> bool:

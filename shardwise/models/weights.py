@@ -76,6 +76,11 @@ class SafetensorsSource:
             self._open[path] = safe_open(path, "pt")
         return self._open[path]
 
+    def close(self) -> None:
+        """Drop the open files (memory-mapped: pages read stay resident while one is open);
+        a later read opens them again."""
+        self._open.clear()
+
     def _whole(self, name: str) -> torch.Tensor:
         return _counted(self._file(name).get_tensor(self.keys[name]))
 
