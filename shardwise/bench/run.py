@@ -108,49 +108,25 @@ RESULT_PATHS = ("shardwise/bench/results", "docs/bench")
 """Where runs write their results: a changed result is not a change to the code that ran."""
 
 
-def commit() -> str | None:
-    """The checkout's HEAD commit (short), read from .git's files (no git binary); None when
+def commit(folder: str | None = None) -> str | None:
+    """The HEAD commit (short) of the checkout holding ``folder`` (default: this package), read
+    from .git's files (no git binary), in a plain checkout or a ``git worktree``; None when
     the package does not sit in a git checkout (an installed wheel). SHARDWISE_COMMIT wins when
     set: a copy of the tree on another machine says which commit it is (its .git, if any, may
     be stale)."""
     if os.environ.get("SHARDWISE_COMMIT"):
         return os.environ["SHARDWISE_COMMIT"]
-    folder = os.path.dirname(os.path.abspath(__file__))
-    while True:
-        git = os.path.join(folder, ".git")
-        if os.path.isdir(git):
-            common = git
-            break
-        if os.path.isfile(git):          # a git worktree: ".git" names its own git folder
-            try:
-                line = open(git).read().strip()
-            except OSError:
-                return None
-            if not line.startswith("gitdir: "):
-                return None
-            git = os.path.join(folder, line[len("gitdir: "):])
-            common_file = os.path.join(git, "commondir")   # refs live in the main repository
-            common = os.path.join(git, open(common_file).read().strip()) \
-                if os.path.exists(common_file) else git
-            break
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            return None
-        folder = parent
     try:
-        if os.path.isfile(git):       # a worktree: "gitdir: <its folder>", refs in the common one
-            line = open(git).read().strip()
-            git = os.path.join(folder, line[len("gitdir: "):]) if line.startswith("gitdir: ") \
-                else git
-        common = git
-        if os.path.exists(os.path.join(git, "commondir")):
-            common = os.path.join(git, open(os.path.join(git, "commondir")).read().strip())
+        dirs = _git_dirs(folder or os.path.dirname(os.path.abspath(__file__)))
+        if dirs is None:
+            return None
+        git, common = dirs
         head = open(os.path.join(git, "HEAD")).read().strip()
         if not head.startswith("ref: "):
             return head[:7] or None
         ref = head[5:]
-        for base in (git, common):
-            path = os.path.join(base, ref)
+        for where in (git, common):          # a worktree's branches live in the common dir
+            path = os.path.join(where, ref)
             if os.path.exists(path):
                 return open(path).read().strip()[:7] or None
         with open(os.path.join(common, "packed-refs")) as fh:
@@ -160,6 +136,29 @@ def commit() -> str | None:
     except OSError:
         pass
     return None
+
+
+def _git_dirs(folder: str) -> tuple[str, str] | None:
+    """(git dir, common dir) of the checkout holding ``folder``: ``.git`` is the folder in a
+    plain checkout; in a ``git worktree`` it is a file ``gitdir: PATH`` whose ``commondir``
+    names the main checkout's git dir (where branches and packed-refs are)."""
+    while True:
+        dot = os.path.join(folder, ".git")
+        if os.path.isdir(dot):
+            return dot, dot
+        if os.path.isfile(dot):
+            line = open(dot).read().strip()
+            if not line.startswith("gitdir: "):
+                return None
+            git = os.path.join(folder, line[len("gitdir: "):])
+            common = os.path.join(git, "commondir")
+            if os.path.isfile(common):
+                return git, os.path.normpath(os.path.join(git, open(common).read().strip()))
+            return git, git
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
 
 
 def _median(runs: list[dict], key: str):

@@ -11,6 +11,11 @@ the hook copies a freshly allocated gradient into its view and re-attaches the v
 bucket counts it, and :meth:`GradBuckets.reattach` zeroes the view of a gradient that is None.
 So the buckets always hold every gradient, whatever the loop did to ``.grad``.
 
+The buffers are allocated when the first pass starts (:meth:`GradBuckets.reattach`, which a
+strategy calls before each forward) or, for a backward that came without it, in the first hook
+(a gradient autograd already made is copied into its view): never at construction, so setting a
+model up holds no gradient memory (prepare's peak is the model's share; issue 30).
+
 A post-accumulate-grad hook counts, per bucket, the parameters whose gradient is complete in this
 backward; when the count reaches the bucket's size the bucket is *ready* and ``on_ready`` is
 called with it (DDP launches the bucket's allreduce there). The same hook marks the parameter
@@ -35,7 +40,7 @@ class Bucket:
     index: int
     params: list            # the parameters whose gradients live in ``buffer``
     names: list             # their names, for error messages
-    buffer: torch.Tensor    # flat gradient storage (1-D)
+    buffer: torch.Tensor | None   # flat gradient storage (1-D); None until the first pass
     pending: int = 0        # parameters not yet ready in the current backward
     work: object = None     # the launched reduction, if any
     extra: dict = field(default_factory=dict)   # per-strategy scratch (e.g. a compression buffer)
@@ -74,25 +79,36 @@ class GradBuckets:
         self.names = [n for n, _ in named_params]
         self.views: list[torch.Tensor] = [None] * len(self.params)   # index -> its .grad view
         self.used = [False] * len(self.params)            # got a gradient since clear_used()
+        self._plans: list[tuple[list[int], FlatLayout]] = []   # per bucket: indices, layout
         for b, indices in enumerate(plan_buckets(sizes, bucket_bytes)):
             params = [named_params[i][1] for i in indices]
             names = [named_params[i][0] for i in indices]
-            dtype, device = params[0].dtype, params[0].device
-            layout = FlatLayout.of(params, 1)             # the one flat layout (comm/flat.py)
-            buffer = layout.new_flat(dtype=dtype, device=device)
-            for i, p, view in zip(indices, params, layout.views(buffer)):
-                self.views[i] = p.grad = view
-            bucket = Bucket(b, params, names, buffer)
+            self._plans.append((indices, FlatLayout.of(params, 1)))   # comm/flat.py's layout
+            bucket = Bucket(b, params, names, None)       # its buffer: at the first pass
             self.buckets.append(bucket)
             for i in indices:
                 self._handles.append(self.params[i].register_post_accumulate_grad_hook(
                     self._hook(bucket, i)))
         self.reset()
 
-    def _hook(self, bucket: Bucket, i: int):
-        view = self.views[i]
+    @torch.no_grad()
+    def allocate(self) -> None:
+        """The flat buffers (zeros) and every ``.grad`` as a view into them, once (module
+        docstring); a gradient already there is copied into its view."""
+        if self.buckets and self.buckets[0].buffer is not None:
+            return
+        for bucket, (indices, layout) in zip(self.buckets, self._plans):
+            first = bucket.params[0]
+            bucket.buffer = layout.new_flat(dtype=first.dtype, device=first.device)
+            for i, p, view in zip(indices, bucket.params, layout.views(bucket.buffer)):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                self.views[i] = p.grad = view
 
+    def _hook(self, bucket: Bucket, i: int):
         def hook(param):
+            self.allocate()             # a backward without reattach() first: made now
+            view = self.views[i]
             if param.grad is not view:  # .grad was set to None (or replaced) since the last zero
                 with torch.no_grad():
                     view.copy_(param.grad)
@@ -106,7 +122,9 @@ class GradBuckets:
     @torch.no_grad()
     def reattach(self) -> None:
         """Put every parameter's ``.grad`` back on its view: a None gradient becomes a zero view
-        (it got no gradient since it was cleared), a replaced one is copied in."""
+        (it got no gradient since it was cleared), a replaced one is copied in. The first
+        call allocates the buffers."""
+        self.allocate()
         for p, view in zip(self.params, self.views):
             g = p.grad
             if g is view:
@@ -135,14 +153,17 @@ class GradBuckets:
     def zero(self) -> None:
         """Zero every gradient in place (the views stay attached to the buffers)."""
         for b in self.buckets:
-            b.buffer.zero_()
+            if b.buffer is not None:    # not yet allocated: no gradient to zero
+                b.buffer.zero_()
 
     def unready(self) -> list[Bucket]:
         """Buckets some of whose parameters got no gradient in this backward."""
         return [b for b in self.buckets if b.pending > 0]
 
     def nbytes(self) -> int:
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        """The buffers' bytes (allocated or not: what the first pass makes)."""
+        return sum(layout.padded * b.params[0].element_size()
+                   for b, (_, layout) in zip(self.buckets, self._plans))
 
     def remove(self) -> None:
         for h in self._handles:

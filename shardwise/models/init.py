@@ -48,6 +48,13 @@ exactly as here; without, it keeps its constructor's weights and every rank star
 
 Memory: one unit's full copy (CPU, the model's dtype) plus the pieces kept; a tp or ZeRO-3 piece
 is cut from the unit and the unit dropped before the next one is made.
+
+Values from a checkpoint instead (``--hf-weights``): the Materializer takes a *source*
+(models/weights.py) that reads a tensor, a tp slice of it (a :class:`Piece`: row or column
+ranges) or a ZeRO-3 shard's element range of it (:meth:`Materializer.flat`) straight from the
+safetensors files, so a rank reads only the bytes it keeps and never a whole unit; a tensor the
+checkpoint does not hold (non-persistent buffers such as Llama's ``inv_freq``, LoRA adapters)
+is still made by the initialiser, as above.
 """
 from __future__ import annotations
 
@@ -71,6 +78,20 @@ def stable_seed(seed: int, name: str) -> int:
     """A 63-bit seed from (seed, name), the same in every process and on every machine."""
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The ranges ``(start, end)`` along ``dim`` of a whole tensor, concatenated in order: a tp
+    slice (parallel/tensor.py), which a checkpoint source reads without the rest."""
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def __call__(self, full: torch.Tensor) -> torch.Tensor:
+        parts = [full.detach().narrow(self.dim, a, b - a) for a, b in self.ranges]
+        if len(parts) == 1:
+            return parts[0].clone(memory_format=torch.contiguous_format)
+        return torch.cat(parts, self.dim)
 
 
 @dataclass(frozen=True)
@@ -249,10 +270,14 @@ class Materializer:
     (:meth:`derive`: tensor parallelism's slices). :meth:`fill` then gives meta tensors their
     values, a unit at a time: the unit is made whole on the CPU (:func:`make_unit`), each tensor
     asked for takes its value (or its slice), and the unit is dropped when the next one is made.
-    Peak: one whole unit plus what the caller keeps."""
+    Peak: one whole unit plus what the caller keeps. With a ``source`` (module docstring:
+    ``--hf-weights``), every tensor it holds is read from it instead, piece by piece: no unit is
+    made for those."""
 
-    def __init__(self, model: nn.Module, seed: int, snapshot: bool = True):
+    def __init__(self, model: nn.Module, seed: int, snapshot: bool = True, source=None):
         check_initialisable(model)
+        self.source = source                       # weights.SafetensorsSource, or None
+        self._wrapped = [n for n, m in model.named_modules() if _sets_itself(m)]
         self.seed, self.init = seed, initializer_of(model)
         self.units = init_units(model)
         self.sources: dict[int, tuple] = {}        # id(tensor) -> (unit, name in it, piece)
@@ -286,10 +311,30 @@ class Materializer:
             self._held = (i, dict(unit_tensors(Unit(u.name, made, u.whole))))
         return self._held[1]
 
+    def name_of(self, t: torch.Tensor) -> str:
+        """Recorded tensor ``t``'s name in the model as built (a LoRA-wrapped layer's base
+        weight: the name it had before wrapping, which is the checkpoint's)."""
+        i, local, _ = self.sources[id(t)]
+        name = f"{self.units[i].name}.{local}" if self.units[i].name else local
+        for w in self._wrapped:
+            if name.startswith(w + ".base."):
+                return w + name[len(w) + len(".base"):]
+        return name
+
+    def _read(self, t: torch.Tensor) -> str | None:
+        """``t``'s name when the source holds it (read from there), else None (initialised)."""
+        if self.source is None:
+            return None
+        name = self.name_of(t)
+        return name if self.source.holds(name) else None
+
     @torch.no_grad()
     def value(self, t: torch.Tensor) -> torch.Tensor:
         """The value of recorded tensor ``t`` (a new CPU tensor)."""
         i, local, piece = self.sources[id(t)]
+        name = self._read(t)
+        if name is not None:
+            return self.source.read(name, piece, t.dtype)
         full = self._unit(i)[local]
         if piece is not None:
             return piece(full)
@@ -297,6 +342,22 @@ class Materializer:
             return full.clone()
         self._given.add((i, local))     # the unit's own tensor: no copy of a whole unit
         return full
+
+    @torch.no_grad()
+    def flat(self, requests: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
+        """``[(t, lo, hi)]`` -> elements ``lo:hi`` of each recorded tensor ``t`` flattened:
+        ZeRO-3's shard of a unit (zero_base._own_slice). A source reads only the rows holding
+        them; otherwise the unit is made (a unit at a time) and the range cut from it (a view:
+        the caller copies it before the next request)."""
+        out: list = [None] * len(requests)
+        for k in sorted(range(len(requests)), key=lambda k: self.sources[id(requests[k][0])][0]):
+            t, lo, hi = requests[k]
+            name = self._read(t)
+            if name is not None:
+                out[k] = self.source.read_flat(name, self.sources[id(t)][2], lo, hi, t.dtype)
+            else:
+                out[k] = self.value(t).reshape(-1)[lo:hi]
+        return out
 
     def fill(self, tensors) -> None:
         """Give every meta tensor among ``tensors`` its value, on the CPU, unit by unit."""
@@ -309,7 +370,10 @@ class Materializer:
         self.fill([*module.parameters(), *module.buffers()])
 
     def release(self) -> None:
+        """Drop the unit held and close the source's files (their mapped pages go too)."""
         self._held = None
+        if self.source is not None:
+            self.source.close()
 
 
 def is_meta(model: nn.Module) -> bool:

@@ -12,7 +12,9 @@ below follows it step by step):
                      model on the meta device (``--init meta``, the run's default), a
                      Materializer (models/init.py) records each tensor's unit before steps 2-3
                      restructure it; each rank later makes only what it keeps, one unit (block)
-                     at a time, initialised from the seed, the same under every layout: single /
+                     at a time, initialised from the seed (or, with ``--hf-weights``, read
+                     from the safetensors files: only this rank's bytes, models/weights.py),
+                     the same under every layout: single /
                      dp / ps and stages 0-2 fill what steps 2-3 left (the whole model, its tp
                      slice, this rank's stage) just before step 6; ZeRO-3 fills unit by unit as
                      it shards (step 6), so no rank holds the whole model, and nothing is
@@ -66,6 +68,7 @@ from shardwise.memory.lora import inject_lora
 from shardwise.mesh import Mesh
 from shardwise.models.init import Materializer, is_meta
 from shardwise.models.plans import block_class_names, plan_class, plan_of
+from shardwise.models.weights import source_for
 from shardwise.parallel import strategy_class
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
 from shardwise.parallel.data import stage_class
@@ -79,11 +82,13 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
     """Apply ``cfg``'s layout (resolved: shardwise/layout.resolve) to ``model`` in the order of
     the module docstring; returns the strategy that trains it."""
     p, m = cfg.parallel, cfg.memory
+    # --hf-weights on the meta path: read by the model's own names, before LoRA renames them
+    source = source_for(model, cfg.model) if is_meta(model) else None
     if m.lora_rank > 0:                                                   # 0
         inject_lora(model, m.lora_rank, m.lora_alpha, m.lora_targets)
     if m.freeze:
         freeze(model, m.freeze)
-    mat = Materializer(model, cfg.train.seed) if is_meta(model) else None
+    mat = Materializer(model, cfg.train.seed, source=source) if is_meta(model) else None
     plan = plan_of(model)                                                 # 1
     blocks = None if plan is None else plan.blocks_of(model)
     if p.strategy not in DATA_MODEL:                          # single, dp, ps: their own layouts

@@ -41,6 +41,7 @@ from shardwise.comm.autograd import (all_gather_uneven, copy_to_tp, reduce_from_
 from shardwise.comm.buckets import broadcast_coalesced
 from shardwise.comm.collectives import Comm, Group
 from shardwise.memory.lora import LoRALinear
+from shardwise.models.init import Piece
 from shardwise.models.plans import plan_of
 from shardwise.parallel.tensor_checks import check_heads
 from shardwise.parallel.tensor_lora import ColumnParallelLoRA, RowParallelLoRA
@@ -220,7 +221,9 @@ def _slicer(spec: ShardSpec | None, group: Group):
     """full -> this tp rank's piece of it (None: the whole tensor)."""
     if spec is None:
         return None
-    return lambda full: shard_tensor(full, spec, group.rank, group.size)
+    start, end = shard_range(spec.full, group.rank, group.size)   # as _rows, as ranges: a
+    return Piece(spec.dim, tuple((j * spec.full + start, j * spec.full + end)   # checkpoint
+                                 for j in range(spec.parts)))     # source reads only these
 
 
 def _specs(model: nn.Module) -> dict[str, ShardSpec]:

@@ -73,8 +73,9 @@ def lr_at(step: int, cfg: Config) -> float:
 
 def init_mode(cfg: Config, plan) -> str:
     """``model.init``, except that the model is built whole (eager) when something must be read
-    into the whole plain model first: a resume that reshards, or ``--hf-weights``."""
-    if cfg.model.hf_weights or (plan is not None and not plan.exact):
+    into the whole plain model first: a resume that reshards. (``--hf-weights`` on the meta
+    path: each rank reads only its pieces, models/weights.py.)"""
+    if plan is not None and not plan.exact:
         return "eager"
     return cfg.model.init
 

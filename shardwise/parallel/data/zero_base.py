@@ -59,6 +59,7 @@ from shardwise.comm.flat import FlatLayout, shard_runs
 from shardwise.comm.reducer import Reducer
 from shardwise.memory.amp import DTYPES
 from shardwise.memory.offload import OffloadStore, prefill_adam_state
+from shardwise.models.init import swap_in
 from shardwise.parallel.base import Strategy
 from shardwise.parallel.data.zero_grads import ZeroGradients
 from shardwise.parallel.data.zero_groups import ParamGroups
@@ -144,7 +145,8 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
         layout = FlatLayout.of(params, self.group.size)
         rank = self.group.rank
         if full_sharded:   # stage 3: own a copy of the shard; the whole chunk is gathered on use
-            own = _own_slice(layout, params, rank, self.device)   # not the whole flat copy
+            own = _own_slice(layout, params, rank, self.device,   # not the whole flat copy
+                             self.materializer)
             full = torch.empty(layout.padded, dtype=self.dtype, device=self.device)
             if self.params_offloaded:              # in the store (pinned host memory on CUDA)
                 shard = self.store.zeros(layout.shard_numel, self.dtype, pin=True)
@@ -157,7 +159,9 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
             full = fp32 if self.dtype == torch.float32 else fp32.to(self.dtype)
             shard = layout.shard(full, rank)
         for p, view in zip(params, layout.views(full)):
-            p.data = view
+            if p.is_meta:   # ZeRO-3 on a meta-device model (its values are in ``own``): off
+                swap_in(p, view.new_empty(0))   # meta first; not swapped for the view itself,
+            p.data = view       # whose version counter (full's) gathers bump under autograd
         if self.dtype == torch.float32 and (self.store.place == "none" or self.params_offloaded):
             master = shard                               # the shard itself: no copy in fp32
         else:
@@ -377,16 +381,22 @@ class ZeroBase(ZeroStateMixin, ZeroGradients, ZeroLedger, Strategy):
 
 
 @torch.no_grad()
-def _own_slice(layout: FlatLayout, params: list, rank: int, device) -> torch.Tensor:
+def _own_slice(layout: FlatLayout, params: list, rank: int, device, mat=None) -> torch.Tensor:
     """Rank's slice of the chunk's flat fp32 layout (padding 0), copied from the parameters
     that overlap it: equal to ``layout.shard(layout.new_flat(params, fp32), rank)`` without
-    the whole flat copy (ZeRO-3's set-up then holds one unit, not two)."""
+    the whole flat copy (ZeRO-3's set-up then holds one unit, not two). Meta parameters take
+    their ranges from the Materializer ``mat`` (made from the seed, or read from a checkpoint:
+    only the rows this rank keeps)."""
     lo, hi = layout.shard_range(rank)
     out = torch.zeros(hi - lo, dtype=torch.float32, device=device)
-    for p, offset in zip(params, layout.offsets):
-        a, b = max(offset, lo), min(offset + p.numel(), hi)
-        if a < b:
-            out[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - offset:b - offset])
+    spans = [(p, max(offset, lo), min(offset + p.numel(), hi), offset)
+             for p, offset in zip(params, layout.offsets)]
+    spans = [s for s in spans if s[1] < s[2]]
+    meta = [(p, a - offset, b - offset) for p, a, b, offset in spans if p.is_meta]
+    made = iter(mat.flat(meta)) if meta else iter(())
+    for p, a, b, offset in spans:
+        value = next(made) if p.is_meta else p.detach().reshape(-1)[a - offset:b - offset]
+        out[a - lo:b - lo].copy_(value)
     return out
 
 

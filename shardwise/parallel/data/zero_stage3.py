@@ -153,9 +153,8 @@ class Zero3Strategy(ZeroBase):
         self.units = split_units(self.model, classes, trainable_only=True)
         self._rs_async = reduce_scatter_async(self.overlap, self.device)
         for index, (module, params) in enumerate(self.units):
-            if self.materializer is not None:   # a meta-device model: make this unit now
-                self.materializer.fill(params)  # (its whole weights, dropped once sharded)
-            c = self._make_chunk(params, full_sharded=True)
+            c = self._make_chunk(params, full_sharded=True)   # a meta unit: made now, its
+            # shard only (models/init.py Materializer.flat: cut from the unit, or read)
             free_storage(c.full)
             if self.grads_offloaded:          # reduced straight into the store (offload.py)
                 c.grad_shard = self.store.zeros(c.layout.shard_numel, self.dtype, pin=True)
