@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-embd", type=int, default=2880)
     ap.add_argument("--n-head", type=int, default=24)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--lr", default="1e-6", help="Adam's step size (2e-5 spiked the loss: "
+                    "its first sign-sized step over 3.2B weights; 1e-6 falls step over step)")
     ap.add_argument("--offload-dir", default="", help="default: a new folder under /tmp")
     ap.add_argument("--save", action="store_true")
     args = ap.parse_args(argv)
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     train = ["shardwise", "train", "--strategy", "zero3", "--offload", "disk", "--offload-params",
              "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head",
              str(args.n_head), "--block-size", "64", "--batch-size", "2", "--steps",
-             str(args.steps), "--repeat-batch", "--lr", "2e-5", "--warmup-steps", "0",
+             str(args.steps), "--repeat-batch", "--lr", args.lr, "--warmup-steps", "0",
              "--log-every", "1", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
     cmd = [*train, "--offload-dir", offload, "--out-dir", runs, "--run-name", name]
     params = ModelSpec(args.n_layer, args.n_embd, args.n_head, 64, 256,
