@@ -19,7 +19,7 @@ torch._dynamo, ~74 MiB that every side pays and no ledger holds), before the mod
 ``peak - baseline`` is what the training state cost (plus what the process's first kernels
 fault in: thread pools, code pages), which is what a side's ledger should account for; ``ledger / (peak - baseline)`` is reported per side.
 
-Ledgers. Ours: ``strategy.memory_ledger()`` (shardwise/parallel/data/zero_ledger.py). The torch
+Ledgers. Ours: ``strategy.memory_ledger()`` (shardwise/parallel/data/zero.py). The torch
 sides get one computed from the torch objects by :class:`TorchLedger`, same categories, bytes
 per rank:
 

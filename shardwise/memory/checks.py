@@ -62,7 +62,7 @@ STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "adamw8bit": 0}
 
 def offload_bytes_per_element(cfg: Config) -> int:
     """Bytes ``offload=disk`` keeps in files per trainable element, summed over the ranks that
-    share it (ZeRO shards it; zero_ledger.py counts the same tensors): the fp32 master (4),
+    share it (ZeRO shards it; its memory_ledger counts the same tensors): the fp32 master (4),
     the optimizer's fp32 states, and with ``offload_params`` the working-precision parameter
     shard (none in fp32: the master is the shard) and gradient shard."""
     m = cfg.memory

@@ -11,7 +11,7 @@ a sharded or split model needs every rank to agree (a rank that skips while anot
 desynchronise them), so the strategies all-reduce the flag over the whole world (meter
 ``amp_overflow``, one float per step). bf16 has fp32's exponent range and needs none of this.
 
-Knows no strategy: parallel/base.py and ZeRO (parallel/data/zero_grads.py) drive it.
+Knows no strategy: parallel/base.py and ZeRO (parallel/data/zero.py) drive it.
 """
 from __future__ import annotations
 

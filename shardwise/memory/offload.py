@@ -38,7 +38,7 @@ after the last copy) is called at the end of the optimizer step, so anything aft
 (the next step, a state load) may write the masters. From pageable memory (disk; or a 16-bit
 working dtype, whose cast torch makes on the host into a temporary, so only fp32 runs copy
 straight from the pinned master) CUDA returns once the source was read, so nothing can race.
-Copies from the device (a gradient shard, parallel/data/zero_grads.py) stay blocking: the CPU
+Copies from the device (a gradient shard, parallel/data/zero.py) stay blocking: the CPU
 step reads them at once, so there is nothing to overlap them with.
 """
 from __future__ import annotations

@@ -346,7 +346,7 @@ class Materializer:
     @torch.no_grad()
     def flat(self, requests: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
         """``[(t, lo, hi)]`` -> elements ``lo:hi`` of each recorded tensor ``t`` flattened:
-        ZeRO-3's shard of a unit (zero_base._own_slice). A source reads only the rows holding
+        ZeRO-3's shard of a unit (data/zero._own_slice). A source reads only the rows holding
         them; otherwise the unit is made (a unit at a time) and the range cut from it (a view:
         the caller copies it before the next request)."""
         out: list = [None] * len(requests)

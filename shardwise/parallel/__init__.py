@@ -14,9 +14,9 @@ STRATEGY_CLASSES = {
     "single": "shardwise.parallel.base:Strategy",
     "ddp": "shardwise.parallel.data.ddp:DDPStrategy",
     "dp": "shardwise.parallel.dp:DataParallelStrategy",
-    "zero1": "shardwise.parallel.data.zero:Zero1Strategy",
-    "zero2": "shardwise.parallel.data.zero:Zero2Strategy",
-    "zero3": "shardwise.parallel.data.zero:Zero3Strategy",
+    "zero1": "shardwise.parallel.data.zero:ZeroStrategy",       # the stage: from the config
+    "zero2": "shardwise.parallel.data.zero:ZeroStrategy",
+    "zero3": "shardwise.parallel.data.zero_stage3:Zero3Strategy",
     "tp": "shardwise.parallel.tensor:TensorPlan",
     "pp": "shardwise.parallel.pipeline.driver:PipelineDriver",
     "3d": "shardwise.parallel.pipeline.driver:PipelineDriver",

@@ -14,7 +14,7 @@ The peak instant. The ledger's categories are each their own high-water mark, an
 ones peak at different moments: saved activations at the end of forward, communication buffers
 (ZeRO's gradient staging, gathered units, the backend's copies) in backward and after the step.
 Adding the marks over-reads. So every change of a transient (an activation saved, a buffer
-accounted by ZeroLedger._alloc) also checks whether activations + transient buffers alive *now*
+accounted by ZeRO's ZeroMemory.alloc) also checks whether activations + transient buffers alive *now*
 exceed the largest such sum so far, and keeps that instant's split. ``memory_at_peak()`` is the
 ledger with the transient categories replaced by their values at that instant: what the rank
 held at its peak, which shardwise/bench/memory.py compares with the measured peak resident memory.
@@ -93,7 +93,7 @@ class ActivationLedger:
 
     # -- the peak instant ---------------------------------------------------------------
     def _transient_live(self) -> int:
-        """Communication buffers alive now that the ledger counts as transient (ZeroLedger)."""
+        """Communication buffers alive now that the ledger counts as transient (ZeRO: its ZeroMemory)."""
         return 0
 
     def _grads_live(self) -> int | None:

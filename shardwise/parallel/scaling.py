@@ -1,7 +1,7 @@
 """fp16 dynamic loss scaling for every layout that keeps fp32 parameters under autocast (single,
 DDP, tensor and pipeline parallelism, one-process DP). A mixin of base.Strategy; the scaler
 itself is memory/loss_scale.py. (ZeRO keeps fp16 working copies and fp32 masters, and drives the
-same scaler from its own step: parallel/data/zero_grads.py.)
+same scaler from its own step: parallel/data/zero.py.)
 
 Per step, with ``memory.mixed_precision = "fp16"``:
 

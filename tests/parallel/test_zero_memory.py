@@ -55,15 +55,15 @@ def _live(st) -> tuple[int, int]:
 
 
 def _peaks(rank, n, runs):
-    from shardwise.parallel.data.zero_base import ZeroBase
+    from shardwise.parallel.data.zero import ZeroStrategy
     high = {"grads": 0, "units": 0}
-    original = ZeroBase._on_grad
+    original = ZeroStrategy._on_grad
 
     def counted(self, p):                 # after the strategy's own hook: what is alive now
         original(self, p)
         grads, units = _live(self)
         high["grads"], high["units"] = max(high["grads"], grads), max(high["units"], units)
-    ZeroBase._on_grad = counted
+    ZeroStrategy._on_grad = counted
     out = {}
     for tag, cfg in runs:
         high.update(grads=0, units=0)
@@ -73,7 +73,7 @@ def _peaks(rank, n, runs):
                         at_peak=st.memory_at_peak(), act_live_after=st._act_live,
                         shards=sum(s // n for s in sizes), live=dict(high),
                         root=bool(getattr(st, "units", None)) and st.units[0][0] is st.model)
-    ZeroBase._on_grad = original
+    ZeroStrategy._on_grad = original
     return out
 
 

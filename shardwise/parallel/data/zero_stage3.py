@@ -10,7 +10,7 @@ inside is a unit of its own (for our GPT: tok_emb, pos_emb, ln_f, head); a modul
 parameters form a unit on that module. Tied parameters (used by two modules, e.g. HF GPT-2's
 ``lm_head.weight is transformer.wte.weight``) go to the root unit, which is gathered around the
 whole forward and until its gradients are in, so every user finds them gathered. Frozen
-parameters are in no unit: every rank keeps them whole (zero_base.py).
+parameters are in no unit: every rank keeps them whole (zero.py).
 
 Each unit is one flat, padded chunk (shardwise/comm/flat.py); rank r keeps only slice r of it.
 Per unit and step:
@@ -20,20 +20,20 @@ Per unit and step:
               resized to 0, so tensors autograd saved see the refilled memory later) and hook
               every tensor in the (nested) outputs so that backward re-gathers it
     backward  output-gradient hook: all-gather the unit again, start the previous unit's
-              all-gather; gradients accumulate into the unit's staging buffer (zero_base.py);
+              all-gather; gradients accumulate into the unit's staging buffer (zero.py);
               when the last one arrives, free the unit and reduce-scatter the buffer into this
               rank's gradient shard: on CPU blocking (as FSDP2 there), then free the buffer;
               on CUDA asynchronously (``reduce_scatter_async``), waited when a third gradient
-              buffer would be needed (zero_grads.py) or before the step
-    step      wait for the reduce-scatters, step each unit's fp32 master shard (zero_base.py);
+              buffer would be needed (zero.py) or before the step
+    step      wait for the reduce-scatters, step each unit's fp32 master shard (zero.py);
               nothing to gather: the next forward gathers
 
 Memory per rank (Adam): 16P/N for both mixed precision (2 + 2 + 4 + 8 bytes per parameter) and
 fp32 (4 + 4 + 8), plus transient buffers (``comm_buffers``, the high-water mark): at most two
 whole units gathered (the one in use and one prefetched; the root unit besides, when it holds
 parameters), one whole-size gradient buffer in backward (and a 1/N temporary when it is added
-to an accumulated shard; zero_grads.py allows two buffers), and on gloo the backend's
-whole-size copy of each collective in flight (zero_ledger.py). Measured at 57M parameters
+to an accumulated shard; zero.py allows two buffers), and on gloo the backend's
+whole-size copy of each collective in flight (zero_memory.py). Measured at 57M parameters
 (shardwise/bench/memory.py): an asynchronous reduce-scatter kept its buffer and gloo's copy alive
 through the next unit's backward, beside that unit, the prefetched one and its filling buffer
 (peak 1.08x FSDP2's); blocking it (the prefetch still overlaps) brought it to 1.0x, so it blocks
@@ -64,7 +64,7 @@ from torch.utils._pytree import tree_flatten
 
 from shardwise.comm.flat import alloc_storage, free_storage, storage_bytes
 from shardwise.models.plans import CONTAINERS, block_class, block_class_names  # noqa: F401 (block_class re-exported)
-from shardwise.parallel.data.zero_base import Chunk, ZeroBase
+from shardwise.parallel.data.zero import Chunk, ZeroStrategy
 
 FREE, INFLIGHT, HELD = "free", "inflight", "held"
 
@@ -131,7 +131,7 @@ def _tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if torch.is_tensor(t)]
 
 
-class Zero3Strategy(ZeroBase):
+class Zero3Strategy(ZeroStrategy):
     """ZeRO-3: everything sharded; each unit gathered just in time and freed after use.
 
     Partition: rank r owns slice r of every unit's flat parameters, gradients, fp32 masters and
@@ -141,8 +141,14 @@ class Zero3Strategy(ZeroBase):
     per rank: 16P/N (Adam, mixed precision or fp32) + two whole units and one gradient buffer (at
     most two), and gloo's copies of collectives in flight. Traffic
     per step: 3(N-1)/N K, 1.5x DDP. Reference: ZeRO (SC 2020), "P_os+g+p".
+
+    What differs from :class:`~shardwise.parallel.data.zero.ZeroStrategy` (whose gradient
+    staging, reduce-scatters, step phases, state and memory it runs unchanged): ``wrap`` makes
+    units instead of buckets and hooks them; ``_chunk_ready`` frees a unit and reduces it at
+    once; after the step nothing is gathered (``_launch_gather``: the next forward gathers);
+    the ledger's parameters are the shards (``_param_bytes``).
     """
-    name, stage = "zero3", 3
+    stages = (3,)
     unit_classes = None   # a pipeline stage's: the whole model's block class (compose.py)
 
     def wrap(self, model, optimizer_factory) -> None:
@@ -173,9 +179,9 @@ class Zero3Strategy(ZeroBase):
         if c.extra["state"] != FREE:
             return
         alloc_storage(c.full)
-        self._alloc("gathered", storage_bytes(c.full))
-        c.extra["backend"] = self._backend_bytes(storage_bytes(c.full))   # gloo's own copy
-        self._alloc("backend", c.extra["backend"])
+        self.memory.alloc("gathered", storage_bytes(c.full))
+        c.extra["backend"] = self.memory.backend_bytes(storage_bytes(c.full))   # gloo's copy
+        self.memory.alloc("backend", c.extra["backend"])
         src = c.shard
         if src.device != self.device:         # offloaded from a GPU: to the device first
             src = c.extra["src"] = src.to(self.device, non_blocking=True)
@@ -190,7 +196,7 @@ class Zero3Strategy(ZeroBase):
 
     def _wait_gather(self, c: Chunk) -> None:
         c.extra["work"].wait()
-        self._release("backend", c.extra.pop("backend"))
+        self.memory.release("backend", c.extra.pop("backend"))
         c.extra["work"], c.extra["state"] = None, HELD
         c.extra.pop("src", None)
         if self.params_offloaded:
@@ -214,7 +220,7 @@ class Zero3Strategy(ZeroBase):
         if c.extra["state"] == INFLIGHT:
             self._wait_gather(c)
         if c.extra["state"] != FREE:
-            self._release("gathered", storage_bytes(c.full))
+            self.memory.release("gathered", storage_bytes(c.full))
             free_storage(c.full)
             c.extra["work"], c.extra["state"] = None, FREE
 
@@ -247,7 +253,7 @@ class Zero3Strategy(ZeroBase):
         staging buffer and gloo's whole-size copy alive across the next unit's backward, beside
         that unit, the prefetched one and the next staging buffer; the overlap kept in backward
         is the prefetched all-gather, which runs during the unit's own backward. On CUDA it is
-        launched asynchronously (``reduce_scatter_async``) and waited later (zero_grads.py)."""
+        launched asynchronously (``reduce_scatter_async``) and waited later (zero.py)."""
         c = self.chunks[index]
         self._free(c)
         c.extra["backward"] = False
@@ -255,16 +261,12 @@ class Zero3Strategy(ZeroBase):
             return                  # a pipeline's earlier micro-batch: the buffer accumulates
         self._reduce_staged(c, async_op=self._rs_async)
 
-    def _after_backward(self) -> None:
-        if not self._syncing:
-            self._finish_reductions()
+    # -- the step and the ledger -----------------------------------------------------------
+    def _launch_gather(self, index: int) -> None:
+        """Nothing to gather after a unit's step: the next forward gathers it."""
 
-    # -- ledger ---------------------------------------------------------------------------
     def _param_bytes(self) -> int:
         """Parameter shards held in memory (0 on disk: the ledger's ``on_disk`` has them)."""
         if self.params_offloaded and self.store.place == "disk":
             return 0
         return sum(storage_bytes(c.shard) for c in self.chunks)
-
-    def _grad_bytes(self) -> int:
-        return self._grad_shard_bytes()

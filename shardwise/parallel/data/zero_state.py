@@ -1,181 +1,186 @@
-"""ZeRO's state: the gathered full state dict (every parameter by name, fp32) and the per-rank
-checkpoint (this rank's master shards, optimizer state, loss scale, buffers and frozen
-parameters). A mixin of :class:`~shardwise.parallel.data.zero_base.ZeroBase`; it reads the chunks,
-the optimizer and the store the strategy built.
+"""ZeRO's state (stages 1-3), as functions of the strategy: the gathered full state dict (every
+parameter by name, fp32), the per-rank checkpoint (this rank's master shards, optimizer state,
+loss scale, buffers and frozen parameters) and the layout-free optimizer state. The strategy's
+state methods (base.Strategy's interface, which shardwise/checkpoint/ and the pipeline driver
+call) each call one of these; they read the chunks, the optimizer and the store it built.
 
-Collectives: ``full_state_dict`` all-gathers each chunk's fp32 master (meter ``zero_state_ag``);
-the per-rank checkpoint communicates nothing on save and, on load, stages 1-2 all-gather the
-loaded shards back into whole parameters (``zero_param_ag``).
+Partition: each rank saves and loads its own shards (``state_dict``); the gathered forms are
+whole on every rank. Collectives: ``full_state_dict`` / ``full_state_groups`` /
+``canonical_optimizer_state`` all-gather each chunk's fp32 master or state over the shard group
+(meter ``zero_state_ag``; one object collective to agree on state names); the per-rank
+checkpoint communicates nothing on save and, on load, stages 1-2 all-gather the loaded shards
+back into whole parameters (``zero_param_ag``). Memory: one whole chunk (per state) at a time on
+the device; the results on CPU. Traffic: (N-1)/N of the fp32 chunk per gathered tensor.
 """
 from __future__ import annotations
 
 import torch
 
 
-class ZeroStateMixin:
-    """full_state_dict / state_dict / load_state_dict for ZeRO stages 1-3."""
+def full_state_dict(zero) -> dict[str, torch.Tensor]:
+    """Every parameter by name, in fp32, gathered from the masters (a collective); frozen
+    parameters, which every rank holds whole, as they are (fp32)."""
+    zero.store.drain()                  # disk offload: every write finished (or raised)
+    names = {p: n for n, p in zero.model.named_parameters()}
+    out = {}
+    for c in zero.chunks:
+        # on the compute device: with offload the master is on CPU, and NCCL gathers only
+        # device tensors (a no-op move on CPU)
+        full = torch.empty(c.layout.padded, dtype=torch.float32, device=zero.device)
+        zero._all_gather(full, c.master.detach().to(zero.device), async_op=False,
+                         name="zero_state_ag")
+        for p, view in zip(c.params, c.layout.views(full)):
+            out[names[p]] = view.detach().cpu().clone()
+    for n, p in zero.model.named_parameters():
+        if n not in out:
+            out[n] = p.detach().float().cpu().clone()
+    return zero._whole({n: out[n] for n, _ in zero.model.named_parameters()})
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter by name, in fp32, gathered from the masters (a collective); frozen
-        parameters, which every rank holds whole, as they are (fp32)."""
-        self.store.drain()                  # disk offload: every write finished (or raised)
-        names = {p: n for n, p in self.model.named_parameters()}
-        out = {}
-        for c in self.chunks:
-            # on the compute device: with offload the master is on CPU, and NCCL gathers only
-            # device tensors (a no-op move on CPU)
-            full = torch.empty(c.layout.padded, dtype=torch.float32, device=self.device)
-            self._all_gather(full, c.master.detach().to(self.device), async_op=False,
-                             name="zero_state_ag")
-            for p, view in zip(c.params, c.layout.views(full)):
-                out[names[p]] = view.detach().cpu().clone()
-        for n, p in self.model.named_parameters():
-            if n not in out:
-                out[n] = p.detach().float().cpu().clone()
-        return self._whole({n: out[n] for n, _ in self.model.named_parameters()})
 
-    def full_state_order(self) -> list[tuple[str, tuple[int, ...]]] | None:
-        """(name, shape) of every parameter in the order :meth:`full_state_groups` yields
-        them (chunk by chunk, then the rest); None under tensor parallelism (its pieces are
-        gathered whole: full_state_dict)."""
-        if getattr(self, "plan", None) is not None:
-            return None
-        names = {p: n for n, p in self.model.named_parameters()}
-        order = [(names[p], tuple(p.shape)) for c in self.chunks for p in c.params]
-        seen = {n for n, _ in order}
-        return order + [(n, tuple(p.shape)) for n, p in self.model.named_parameters()
-                        if n not in seen]
+def full_state_order(zero) -> list[tuple[str, tuple[int, ...]]] | None:
+    """(name, shape) of every parameter in the order :meth:`full_state_groups` yields
+    them (chunk by chunk, then the rest); None under tensor parallelism (its pieces are
+    gathered whole: full_state_dict)."""
+    if getattr(zero, "plan", None) is not None:
+        return None
+    names = {p: n for n, p in zero.model.named_parameters()}
+    order = [(names[p], tuple(p.shape)) for c in zero.chunks for p in c.params]
+    seen = {n for n, _ in order}
+    return order + [(n, tuple(p.shape)) for n, p in zero.model.named_parameters()
+                    if n not in seen]
 
-    def full_state_groups(self):
-        """full_state_dict a chunk at a time, as fp32 CPU tensors by name (a collective: every
-        rank iterates it to the end, in the same order): the memory of one gathered chunk, not
-        of the whole model (a streamed final.safetensors)."""
-        self.store.drain()
-        names = {p: n for n, p in self.model.named_parameters()}
-        for c in self.chunks:
-            full = torch.empty(c.layout.padded, dtype=torch.float32, device=self.device)
-            self._all_gather(full, c.master.detach().to(self.device), async_op=False,
-                             name="zero_state_ag")
-            yield {names[p]: view.detach().cpu().clone()
-                   for p, view in zip(c.params, c.layout.views(full))}
-            del full
-        done = {names[p] for c in self.chunks for p in c.params}
-        yield {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()
-               if n not in done}
 
-    def state_dict(self) -> dict:
-        """This rank's shards: masters and the optimizer (a per-rank file), plus the buffers and
-        frozen parameters every rank holds alike."""
-        self.store.drain()
-        return {"stage": self.stage, "rank": self.group.rank, "world": self.group.size,
-                "masters": [c.master.detach().cpu().clone() for c in self.chunks],
-                "optimizer": self.optimizer.state_dict(), "scale": self.scaler.state_dict(),
-                "buffers": {n: b.detach().cpu().clone() for n, b in self.model.named_buffers()},
-                "frozen": {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()
-                           if not p.requires_grad}}
+def full_state_groups(zero):
+    """full_state_dict a chunk at a time, as fp32 CPU tensors by name (a collective: every
+    rank iterates it to the end, in the same order): the memory of one gathered chunk, not
+    of the whole model (a streamed final.safetensors)."""
+    zero.store.drain()
+    names = {p: n for n, p in zero.model.named_parameters()}
+    for c in zero.chunks:
+        full = torch.empty(c.layout.padded, dtype=torch.float32, device=zero.device)
+        zero._all_gather(full, c.master.detach().to(zero.device), async_op=False,
+                         name="zero_state_ag")
+        yield {names[p]: view.detach().cpu().clone()
+               for p, view in zip(c.params, c.layout.views(full))}
+        del full
+    done = {names[p] for c in zero.chunks for p in c.params}
+    yield {n: p.detach().float().cpu().clone() for n, p in zero.model.named_parameters()
+           if n not in done}
 
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        if (state["stage"], state["world"]) != (self.stage, self.group.size):
-            raise ValueError(f"checkpoint of ZeRO-{state['stage']} at dp={state['world']} cannot "
-                             f"load into ZeRO-{self.stage} at dp={self.group.size}; fix: load "
-                             "the gathered full_state_dict instead")
-        for c, m in zip(self.chunks, state["masters"]):
-            c.master.copy_(m)
-            c.shard.copy_(c.master)
-        self.optimizer.load_state_dict(state["optimizer"])
-        for c in self.chunks:
-            for _, _, _, view in c.masters:
-                self.store.adopt_state(self.optimizer.state.get(view, {}))
-            self._after_chunk_step(self.chunks.index(c))
-        self._finish_gathers()
-        if isinstance(state.get("scale"), dict):
-            self.scaler.load_state_dict(state["scale"])
-        buffers = dict(self.model.named_buffers())
-        for n, b in state.get("buffers", {}).items():
-            buffers[n].copy_(b)
-        params = dict(self.model.named_parameters())
-        for n, p in state.get("frozen", {}).items():
-            params[n].copy_(p)
 
-    # -- the layout-free optimizer state (shardwise/checkpoint/: reshard) --------------------
-    def canonical_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per parameter (original name, whole tensors on CPU): the element-wise optimizer
-        states gathered from every rank's shard views as the masters are in
-        ``full_state_dict`` (one all-gather per chunk and state, meter ``zero_state_ag``; then
-        the tp pieces), and the scalars (Adam's step) from the views. The state names are
-        agreed over dp first (one object collective), since a rank may hold no view of a chunk.
-        Memory: one whole chunk per state at a time on the device, the result on CPU."""
-        self.store.drain()
-        names = {p: n for n, p in self.model.named_parameters()}
-        mine = {}
-        for c in self.chunks:
-            for _, _, _, view in c.masters:
-                for key, v in self.optimizer.state.get(view, {}).items():
-                    if torch.is_tensor(v):
-                        mine.setdefault(key, v.detach().cpu().clone() if v.dim() == 0 else None)
-        keys: dict = {}
-        for part in self.comm.all_gather_object(mine, self.group):
-            for key, v in part.items():
-                if keys.get(key) is None:
-                    keys[key] = v
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for c in self.chunks:
-            for key, scalar in sorted(keys.items()):
-                if scalar is not None:      # the same step count for every parameter
-                    for p in c.params:
-                        out.setdefault(names[p], {})[key] = scalar.clone()
+def state_dict(zero) -> dict:
+    """This rank's shards: masters and the optimizer (a per-rank file), plus the buffers and
+    frozen parameters every rank holds alike."""
+    zero.store.drain()
+    return {"stage": zero.stage, "rank": zero.group.rank, "world": zero.group.size,
+            "masters": [c.master.detach().cpu().clone() for c in zero.chunks],
+            "optimizer": zero.optimizer.state_dict(), "scale": zero.scaler.state_dict(),
+            "buffers": {n: b.detach().cpu().clone() for n, b in zero.model.named_buffers()},
+            "frozen": {n: p.detach().cpu().clone() for n, p in zero.model.named_parameters()
+                       if not p.requires_grad}}
+
+
+@torch.no_grad()
+def load_state_dict(zero, state: dict) -> None:
+    if (state["stage"], state["world"]) != (zero.stage, zero.group.size):
+        raise ValueError(f"checkpoint of ZeRO-{state['stage']} at dp={state['world']} cannot "
+                         f"load into ZeRO-{zero.stage} at dp={zero.group.size}; fix: load "
+                         "the gathered full_state_dict instead")
+    for c, m in zip(zero.chunks, state["masters"]):
+        c.master.copy_(m)
+        c.shard.copy_(c.master)
+    zero.optimizer.load_state_dict(state["optimizer"])
+    for i, c in enumerate(zero.chunks):
+        for _, _, _, view in c.masters:
+            zero.store.adopt_state(zero.optimizer.state.get(view, {}))
+        zero._launch_gather(i)              # stages 1-2: the whole parameters, gathered again
+    zero._finish_gathers()
+    if isinstance(state.get("scale"), dict):
+        zero.scaler.load_state_dict(state["scale"])
+    buffers = dict(zero.model.named_buffers())
+    for n, b in state.get("buffers", {}).items():
+        buffers[n].copy_(b)
+    params = dict(zero.model.named_parameters())
+    for n, p in state.get("frozen", {}).items():
+        params[n].copy_(p)
+
+
+# -- the layout-free optimizer state (shardwise/checkpoint/: reshard) ------------------------
+def canonical_optimizer_state(zero) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter (original name, whole tensors on CPU): the element-wise optimizer
+    states gathered from every rank's shard views as the masters are in
+    ``full_state_dict`` (one all-gather per chunk and state, meter ``zero_state_ag``; then
+    the tp pieces), and the scalars (Adam's step) from the views. The state names are
+    agreed over dp first (one object collective), since a rank may hold no view of a chunk.
+    Memory: one whole chunk per state at a time on the device, the result on CPU."""
+    zero.store.drain()
+    names = {p: n for n, p in zero.model.named_parameters()}
+    mine = {}
+    for c in zero.chunks:
+        for _, _, _, view in c.masters:
+            for key, v in zero.optimizer.state.get(view, {}).items():
+                if torch.is_tensor(v):
+                    mine.setdefault(key, v.detach().cpu().clone() if v.dim() == 0 else None)
+    keys: dict = {}
+    for part in zero.comm.all_gather_object(mine, zero.group):
+        for key, v in part.items():
+            if keys.get(key) is None:
+                keys[key] = v
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for c in zero.chunks:
+        for key, scalar in sorted(keys.items()):
+            if scalar is not None:      # the same step count for every parameter
+                for p in c.params:
+                    out.setdefault(names[p], {})[key] = scalar.clone()
+                continue
+            shard = torch.zeros(c.layout.shard_numel, dtype=torch.float32,
+                                device=c.master.device)
+            for _, lo, hi, view in c.masters:
+                v = zero.optimizer.state.get(view, {}).get(key)
+                if v is not None:
+                    shard[lo:hi].copy_(v)
+            full = torch.empty(c.layout.padded, dtype=torch.float32, device=zero.device)
+            zero._all_gather(full, shard.to(zero.device), async_op=False, name="zero_state_ag")
+            for p, v in zip(c.params, c.layout.views(full)):
+                out.setdefault(names[p], {})[key] = v.detach().cpu().clone()
+    if zero.plan is not None:           # tensor parallel: whole tensors from the tp pieces
+        for key, scalar in sorted(keys.items()):
+            if scalar is None:
+                whole = zero._whole({n: out[n][key] for n, _ in zero.model.named_parameters()
+                                     if n in out})
+                for n, v in whole.items():
+                    out[n][key] = v
+    return out
+
+
+@torch.no_grad()
+def load_canonical_optimizer_state(zero, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Set each master view's optimizer state from whole per-name tensors: every chunk's
+    states are laid out flat as its parameters are, and this rank keeps its shard (no
+    communication; tensor-parallel pieces cut first). Offloaded states move to the store."""
+    names = {p: n for n, p in zero.model.named_parameters()}
+    for c in zero.chunks:
+        present = [state.get(names[p], {}) for p in c.params]
+        keys = sorted({k for entry in present for k in entry})
+        for key in keys:
+            pieces = []
+            for p, shape, entry in zip(c.params, c.layout.shapes, present):
+                v = entry.get(key)
+                if v is None:       # (stage 3's p.data is not the whole parameter)
+                    pieces.append(torch.zeros(shape))
                     continue
-                shard = torch.zeros(c.layout.shard_numel, dtype=torch.float32,
-                                    device=c.master.device)
-                for _, lo, hi, view in c.masters:
-                    v = self.optimizer.state.get(view, {}).get(key)
-                    if v is not None:
-                        shard[lo:hi].copy_(v)
-                full = torch.empty(c.layout.padded, dtype=torch.float32, device=self.device)
-                self._all_gather(full, shard.to(self.device), async_op=False, name="zero_state_ag")
-                for p, v in zip(c.params, c.layout.views(full)):
-                    out.setdefault(names[p], {})[key] = v.detach().cpu().clone()
-        if self.plan is not None:           # tensor parallel: whole tensors from the tp pieces
-            for key, scalar in sorted(keys.items()):
-                if scalar is None:
-                    whole = self._whole({n: out[n][key] for n, _ in self.model.named_parameters()
-                                         if n in out})
-                    for n, v in whole.items():
-                        out[n][key] = v
-        return out
-
-    @torch.no_grad()
-    def load_canonical_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Set each master view's optimizer state from whole per-name tensors: every chunk's
-        states are laid out flat as its parameters are, and this rank keeps its shard (no
-        communication; tensor-parallel pieces cut first). Offloaded states move to the store."""
-        names = {p: n for n, p in self.model.named_parameters()}
-        for c in self.chunks:
-            present = [state.get(names[p], {}) for p in c.params]
-            keys = sorted({k for entry in present for k in entry})
-            for key in keys:
-                pieces = []
-                for p, shape, entry in zip(c.params, c.layout.shapes, present):
-                    v = entry.get(key)
-                    if v is None:       # (stage 3's p.data is not the whole parameter)
-                        pieces.append(torch.zeros(shape))
-                        continue
-                    pieces.append(self._tp_piece(names[p], v))   # base.Strategy
-                if pieces and pieces[0].dim() == 0:      # a scalar: every view takes it
-                    for _, _, _, view in c.masters:
-                        self.optimizer.state[view][key] = pieces[0].clone()
-                    continue
-                flat = c.layout.new_flat(pieces, torch.float32, c.master.device)
-                shard = c.layout.shard(flat, self.group.rank)
-                for _, lo, hi, view in c.masters:
-                    st = self.optimizer.state[view]
-                    if torch.is_tensor(st.get(key)) and st[key].shape == view.shape:
-                        st[key].copy_(shard[lo:hi])   # keep a store-owned (offloaded) tensor
-                    else:
-                        st[key] = shard[lo:hi].clone()
-            for _, _, _, view in c.masters:
-                self.store.adopt_state(self.optimizer.state.get(view, {}))
-
-    def _finish_gathers(self) -> None:
-        """Stages 1-2 wait for the all-gathers started in _after_chunk_step."""
+                pieces.append(zero._tp_piece(names[p], v))   # base.Strategy
+            if pieces and pieces[0].dim() == 0:      # a scalar: every view takes it
+                for _, _, _, view in c.masters:
+                    zero.optimizer.state[view][key] = pieces[0].clone()
+                continue
+            flat = c.layout.new_flat(pieces, torch.float32, c.master.device)
+            shard = c.layout.shard(flat, zero.group.rank)
+            for _, lo, hi, view in c.masters:
+                st = zero.optimizer.state[view]
+                if torch.is_tensor(st.get(key)) and st[key].shape == view.shape:
+                    st[key].copy_(shard[lo:hi])   # keep a store-owned (offloaded) tensor
+                else:
+                    st[key] = shard[lo:hi].clone()
+        for _, _, _, view in c.masters:
+            zero.store.adopt_state(zero.optimizer.state.get(view, {}))
