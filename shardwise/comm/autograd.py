@@ -170,3 +170,124 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_star
     out = torch.nn.functional.embedding(local, weight)                      # (B, T, C)
     out = out.masked_fill(outside[..., None], 0.0)
     return reduce_from_tp(out, comm, group, name=name)
+
+
+# -- sequence parallelism (Korthikanti et al., 2022): the residual stream split on the sequence --
+# The activations are batch-first, (B, S, ...): the sequence is dimension 1. Each op moves it to
+# the front for the collective (whose pieces are contiguous runs of dimension 0) and back.
+def _check_sequence(s: int, group: Group) -> None:
+    if s % group.size:
+        raise ValueError(f"sequence parallelism splits the sequence over the {group.size} tp "
+                         f"ranks, and a length of {s} does not divide; fix: a sequence length "
+                         f"divisible by {group.size} (--block-size), or drop --sp")
+
+
+def _gather_sequence(x: torch.Tensor, comm: Comm, group: Group, name: str) -> torch.Tensor:
+    """(B, S/N, ...) slices of every rank -> (B, S, ...) in rank order (no autograd)."""
+    front = x.transpose(0, 1).contiguous()                          # (S/N, B, ...)
+    out = torch.empty((group.size * front.shape[0], *front.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    comm.all_gather(out, front, group, name=name)                   # (S, B, ...)
+    return out.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, comm: Comm, group: Group, name: str) -> torch.Tensor:
+    """(B, S, ...) partial sums of every rank -> this rank's (B, S/N, ...) slice of their sum."""
+    _check_sequence(x.shape[1], group)
+    front = x.transpose(0, 1).contiguous()                          # (S, B, ...)
+    out = torch.empty((front.shape[0] // group.size, *front.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    comm.reduce_scatter(out, front, group, name=name)               # (S/N, B, ...)
+    return out.transpose(0, 1).contiguous()
+
+
+def _my_slice(x: torch.Tensor, group: Group) -> torch.Tensor:
+    _check_sequence(x.shape[1], group)
+    n = x.shape[1] // group.size
+    return x[:, group.rank * n: (group.rank + 1) * n].contiguous()
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """Replicated (B, S, ...) -> this rank's (B, S/N, ...) slice (no communication); backward:
+    all-gather of the slices' gradients (each rank's slice gradient is complete)."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, group: Group):
+        ctx.comm, ctx.group = comm, group
+        return _my_slice(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.comm, ctx.group, "sp_ag"), None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """Megatron's SP f: all-gather the slices forward; backward, the whole-sequence gradients
+    (partial sums: each rank's heads, or vocabulary columns) reduce-scattered to slices."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, group: Group):
+        ctx.comm, ctx.group = comm, group
+        return _gather_sequence(x, comm, group, "sp_ag")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.comm, ctx.group, "sp_rs"), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Megatron's SP g: partial sums reduce-scattered to slices forward; backward, the slices'
+    gradients all-gathered (the gradient of a partial sum is the sum's)."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, group: Group):
+        ctx.comm, ctx.group = comm, group
+        return _reduce_scatter_sequence(x, comm, group, "sp_rs")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad.contiguous(), ctx.comm, ctx.group, "sp_ag"), None, None
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """A replicated parameter used on a sequence slice: identity forward; backward, its
+    gradient (this slice's part) summed over tp, so every rank holds the whole sequence's."""
+
+    @staticmethod
+    def forward(ctx, p, comm: Comm, group: Group):
+        ctx.comm, ctx.group = comm, group
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, ctx.group, name="sp_grad")
+        return grad, None, None
+
+
+def scatter_to_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+    """Enter the sequence-parallel region: this rank's slice of a replicated (B, S, ...)."""
+    return x if group.size == 1 else _ScatterToSequence.apply(x, comm, group)
+
+
+def gather_from_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+    """Leave it: the whole sequence (meter ``sp_ag``; backward ``sp_rs``)."""
+    return x if group.size == 1 else _GatherFromSequence.apply(x, comm, group)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, comm: Comm, group: Group,
+                               name: str = "sp_rs") -> torch.Tensor:
+    """A row-parallel layer's partial sums -> this rank's slice of the sum (meter ``sp_rs``;
+    backward ``sp_ag``). Takes a meter name (ignored) to stand in for :func:`reduce_from_tp`."""
+    return x if group.size == 1 else _ReduceScatterToSequence.apply(x, comm, group)
+
+
+def sum_grad_over_tp(p: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+    """``p`` as used on a sequence slice: its gradient summed over tp (meter ``sp_grad``)."""
+    return p if group.size == 1 else _SumGradOverTP.apply(p, comm, group)
+
+
+def passthrough(x: torch.Tensor, comm: Comm, group: Group, name: str = "") -> torch.Tensor:
+    """Stands in for :func:`copy_to_tp` where the input was gathered by
+    :func:`gather_from_sequence`, whose backward already sums the ranks' gradients."""
+    return x

@@ -91,9 +91,10 @@ class ColumnParallelLinear(nn.Module):
                             linear.weight)
         self.bias = None if linear.bias is None else _like(
             shard_tensor(linear.bias, self.bias_spec, group.rank, group.size), linear.bias)
+        self.enter = copy_to_tp         # f (parallel/sequence.py swaps it for a passthrough)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.comm, self.group, self.name)          # (B, T, in) replicated
+        x = self.enter(x, self.comm, self.group, self.name)          # (B, T, in) replicated
         w = self.weight.t() if self.transposed else self.weight      # (out_local, in)
         return F.linear(x, w, self.bias)                             # (B, T, out_local)
 
@@ -112,10 +113,11 @@ class RowParallelLinear(nn.Module):
                             linear.weight)
         self.bias = None if linear.bias is None else _like(linear.bias.detach().clone(),
                                                            linear.bias)
+        self.reduce = reduce_from_tp    # g (parallel/sequence.py: a reduce-scatter instead)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.t() if self.transposed else self.weight      # (out, in_local)
-        y = reduce_from_tp(F.linear(x, w), self.comm, self.group, self.name)   # (B, T, out)
+        y = self.reduce(F.linear(x, w), self.comm, self.group, self.name)      # (B, T, out)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,172 @@
+"""Sequence parallelism (``--sp``, with ``--tp`` > 1): the part of each transformer layer that
+tensor parallelism replicates runs on a 1/T slice of the sequence instead.
+
+Tensor parallelism (parallel/tensor.py) splits attention and the MLP over the T tp ranks but
+keeps the residual stream, the layer norms, the residual adds and the dropout whole on every
+rank: the same (B, S, h) work and memory T times. Sequence parallelism cuts those regions along
+the sequence: rank r holds positions [rS/T, (r+1)S/T). Megatron's f and g change to match
+(comm/autograd.py):
+
+    f  identity fwd / all-reduce bwd   ->  all-gather along the sequence fwd / reduce-scatter bwd
+    g  all-reduce fwd / identity bwd   ->  reduce-scatter along the sequence fwd / all-gather bwd
+
+An all-reduce is a reduce-scatter followed by an all-gather, so each layer moves what it moved
+under tp, and nothing in between is computed twice.
+
+Partition (plan fields ``regions`` and ``norm``, shardwise/models/plans.py: our GPT, HF GPT-2,
+HF Llama). The embedding (vocab-parallel, its all-reduce unchanged) and the position embedding
+run whole; the first block's input is cut to this rank's slice (no communication). Inside every
+block, each region (attention, MLP) gathers its input to the whole sequence on entry (its own
+reshapes read the sequence length off that input), its column-parallel layers lose their f (the
+gather's backward already sums the ranks' gradients), and its row-parallel output is
+reduce-scattered to the slice instead of all-reduced. Norms, residual adds and dropout between
+regions see only the slice. The final norm runs on the slice; its output is gathered (backward:
+reduce-scattered) before the vocab-parallel head, so the head's output, the vocab-parallel
+cross-entropy (parallel/tensor_loss.py) and a user's loss on ``engine(x)`` see the same logits as
+under tp alone. The sequence length must divide by T (refused before launch, and by the ops).
+
+Replicated parameters used on a slice (every norm's weight and bias in the blocks and the final
+norm, the row-parallel biases added after the reduce-scatter) get only their slice's part of the
+gradient. Each is summed over tp by an autograd op on its use (comm/autograd.sum_grad_over_tp,
+meter ``sp_grad``): the module's forward reads the parameter through that op, so the backward
+hands autograd the whole sequence's gradient before it is accumulated into ``.grad``. Every
+data-parallel stage reads gradients at or after accumulation (DDP's bucket views, ZeRO's
+post-accumulate hooks, a pipeline's micro-batches accumulating in turn), so each sees the tp
+sum already, whatever it does over dp; hooks on the parameter tensors instead would be lost when
+ZeRO-3 swaps a meta parameter for its storage. Those gradients are then identical on every tp
+rank, so clipping counts them once (TensorPlan.counts: replicated -> tp rank 0), as before.
+
+Collectives, per training step (K = B*S*h elements of the residual stream, fp32, L layers,
+each metered at (T-1)/T * 4K bytes per rank: the ring volume of an all-gather or
+reduce-scatter of K):
+    sp_ag   4L + 2 calls: the two region entries forward, the two row outputs backward, per
+            layer; the first block's cut (backward) and the final norm's gather (forward)
+    sp_rs   4L + 1 calls: the two row outputs forward, the two region entries backward, per
+            layer; the final norm's gather (backward)
+    sp_grad one all-reduce per slice-used parameter (norm weights and biases, row biases):
+            2(T-1)/T * 4 * size bytes
+    tp_vocab  the embedding's all-reduce (K) and the loss's two small ones, as under tp; the
+            head's f (an all-reduce of K backward) is gone (the final gather's backward sums)
+Against tp's 4L + 2 all-reduces of K (8L + 4 units of (T-1)/T * 4K), sp moves 8L + 5 units:
+one more, the first block's backward gather, because the embedding keeps its all-reduce (a
+reduce-scatter there would leave the position embedding and the models' mask and position
+code, which read the embedding's length, on a slice).
+
+Memory per rank: the saved activations of norms, residual adds and dropout / T; attention's and
+the MLP's gathered input is saved whole by their first linears (Megatron re-gathers it in
+backward to keep only the slice, one more all-gather per region: not done here); weights as tp.
+
+Not with: pipeline parallelism (stages would pass slices), LoRA adapters, dropout > 0 in the
+blocks (each tp rank would need its own random stream on its slice): each refused in one line.
+
+Reference: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
+(2022), section 4.2.2; Megatron-LM's ``sequence_parallel``.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch.nn as nn
+
+from shardwise.comm.autograd import (gather_from_sequence, passthrough, reduce_scatter_to_sequence,
+                                     scatter_to_sequence, sum_grad_over_tp)
+from shardwise.comm.collectives import Comm, Group
+from shardwise.models.plans import ModelPlan, plan_of
+
+
+def apply_sequence_parallel(model: nn.Module, mesh, comm: Comm) -> list[str]:
+    """Turn ``model``, already split by apply_tensor_parallel over ``mesh.tp_group``, sequence
+    parallel in place (module docstring). Parameter names and values are unchanged. Returns
+    the names of the parameters whose gradients are summed over tp. tp = 1: nothing."""
+    group = mesh.tp_group
+    if group.size == 1:
+        return []
+    plan = _plan(model)
+    modules = dict(model.named_modules())
+    regions = [p for p in modules if plan.matches(p, plan.regions)]
+    _refuse(model, plan, modules, regions)
+    plan.blocks_of(model)[0].register_forward_pre_hook(
+        _on_input(lambda x: scatter_to_sequence(x, comm, group)), with_kwargs=True)
+    summed = []
+    for path, mod in modules.items():
+        split = plan.split_of(path)
+        if split is not None and split.style in ("colwise", "vocab_head"):
+            mod.enter = passthrough             # the region's (or the final) gather sums
+        elif split is not None and split.style == "rowwise":
+            mod.reduce = reduce_scatter_to_sequence
+            summed += _sum_grads(mod, path, ["bias"], comm, group)
+        elif path in regions:
+            mod.register_forward_pre_hook(
+                _on_input(lambda x: gather_from_sequence(x, comm, group)), with_kwargs=True)
+        elif _between_regions(path, plan, regions) or path == plan.norm:
+            summed += _sum_grads(mod, path, list(mod._parameters), comm, group)
+    modules[plan.norm].register_forward_hook(
+        lambda m, args, out: gather_from_sequence(out, comm, group))
+    return summed
+
+
+def _plan(model: nn.Module) -> ModelPlan:
+    plan = plan_of(model)
+    if plan is None or not plan.regions or not plan.norm:
+        name = type(model).__name__
+        raise TypeError(f"sequence parallelism needs the model plan's regions (attention, "
+                        f"MLP) and final norm; {name}'s plan has none; fix: ModelPlan("
+                        "regions=(...), norm=...) in shardwise.register_plan, or drop --sp")
+    return plan
+
+
+def _refuse(model: nn.Module, plan: ModelPlan, modules: dict, regions: list[str]) -> None:
+    """What sequence parallelism cannot run, in one line each (ValueError)."""
+    if any(hasattr(m, "lora_A") for m in model.modules()):
+        raise ValueError("sequence parallelism does not split LoRA adapters; fix: drop --sp "
+                         "or --lora-rank")
+    for path, mod in modules.items():
+        split = plan.split_of(path)
+        if split and split.style in ("colwise", "rowwise") and not _inside(path, regions):
+            raise ValueError(f"sequence parallelism: the split layer {path} lies outside the "
+                             "plan's regions; fix: name its module in ModelPlan.regions")
+        if path.startswith(plan.blocks + ".") and isinstance(mod, nn.Dropout) and mod.p > 0:
+            raise ValueError(f"sequence parallelism runs {path} (dropout {mod.p}) on sequence "
+                             "slices, which needs a random stream per tp rank (not done); fix: "
+                             "dropout 0 (--dropout 0), or drop --sp")
+
+
+def _inside(path: str, regions: list[str]) -> bool:
+    return any(path == r or path.startswith(r + ".") for r in regions)
+
+
+def _between_regions(path: str, plan: ModelPlan, regions: list[str]) -> bool:
+    """A module of a block outside its regions: it runs on the slice."""
+    return path.startswith(plan.blocks + ".") and not _inside(path, regions)
+
+
+def _on_input(op):
+    """A forward pre-hook applying ``op`` to a module's first argument (the hidden states),
+    passed by position or by its name (Llama's ``self_attn(hidden_states=...)``)."""
+    def hook(module, args, kwargs):
+        if args:
+            return (op(args[0]), *args[1:]), kwargs
+        name = list(inspect.signature(type(module).forward).parameters)[1]   # after self
+        return args, {**kwargs, name: op(kwargs[name])}
+    return hook
+
+
+def _sum_grads(mod: nn.Module, path: str, names: list[str], comm: Comm, group: Group) -> list:
+    """Make ``mod``'s forward read its parameters ``names`` through sum_grad_over_tp (module
+    docstring): for the call, each entry of ``_parameters`` is the op's output, then restored.
+    Returns the full names of the parameters it covers."""
+    names = [n for n in names if mod._parameters.get(n) is not None]
+    if not names:
+        return []
+    inner = mod.forward
+
+    def forward(*args, **kwargs):
+        own = {n: mod._parameters[n] for n in names}
+        for n, p in own.items():
+            mod._parameters[n] = sum_grad_over_tp(p, comm, group) if p.requires_grad else p
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            mod._parameters.update(own)
+    mod.forward = forward
+    return [f"{path}.{n}" for n in names]
