@@ -287,6 +287,69 @@ def sum_grad_over_tp(p: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
     return p if group.size == 1 else _SumGradOverTP.apply(p, comm, group)
 
 
+class Regather:
+    """The whole input of a sequence-parallel region (all-gathered from this rank's slice), as
+    its column-parallel layers' backward needs it: gathered again from the slice once, by the
+    first of them, and dropped after the last (Megatron's trick: the region keeps its slice,
+    not the whole sequence, for backward). ``users``: layers whose backward still needs it."""
+
+    def __init__(self, comm: Comm, group: Group):
+        self.comm, self.group, self.users, self.whole = comm, group, 0, None
+
+    def take(self, s: torch.Tensor) -> torch.Tensor:
+        if self.whole is None:
+            self.whole = _gather_sequence(s, self.comm, self.group, "sp_ag")      # (B, S, in)
+        whole, self.users = self.whole, self.users - 1
+        if self.users <= 0:
+            self.whole = None
+        return whole
+
+
+class _LinearOnGathered(torch.autograd.Function):
+    """y = x W^T + b on a gathered whole input x whose slice s is saved instead of x; the
+    weight's gradient re-gathers x from s (Regather); x's gradient flows to the gather."""
+
+    @staticmethod
+    def forward(ctx, x, s, w, b, regather: Regather):
+        ctx.regather, ctx.has_bias = regather, b is not None
+        if w.requires_grad:
+            regather.users += 1
+        ctx.save_for_backward(s, w)
+        return torch.nn.functional.linear(x, w, b)                         # (B, S, out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        s, w = ctx.saved_tensors
+        grad_x = grad.matmul(w.to(grad.dtype)) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
+        flat = grad.reshape(-1, grad.shape[-1])                            # (B*S, out)
+        if ctx.needs_input_grad[2]:
+            x = ctx.regather.take(s).to(grad.dtype)
+            grad_w = flat.t().matmul(x.reshape(-1, x.shape[-1]))           # (out, in)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_b = flat.sum(0)
+        return grad_x, None, grad_w, grad_b, None
+
+
+def gather_for_region(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+    """:func:`gather_from_sequence` whose output remembers the slice it came from, so that the
+    column-parallel layers reading it (:func:`linear_on_gathered`) save that slice only."""
+    if group.size == 1:
+        return x
+    whole = _GatherFromSequence.apply(x, comm, group)
+    whole.sp_source = (x, Regather(comm, group))
+    return whole
+
+
+def linear_on_gathered(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, saving for backward the slice ``x`` was gathered from (gather_for_region)
+    instead of ``x`` itself; a plain F.linear on any other input."""
+    source = getattr(x, "sp_source", None)
+    if source is None or not torch.is_grad_enabled():
+        return torch.nn.functional.linear(x, w, b)
+    return _LinearOnGathered.apply(x, source[0], w, b, source[1])
+
+
 def passthrough(x: torch.Tensor, comm: Comm, group: Group, name: str = "") -> torch.Tensor:
     """Stands in for :func:`copy_to_tp` where the input was gathered by
     :func:`gather_from_sequence`, whose backward already sums the ranks' gradients."""

@@ -36,25 +36,35 @@ sum already, whatever it does over dp; hooks on the parameter tensors instead wo
 ZeRO-3 swaps a meta parameter for its storage. Those gradients are then identical on every tp
 rank, so clipping counts them once (TensorPlan.counts: replicated -> tp rank 0), as before.
 
-Collectives, per training step (K = B*S*h elements of the residual stream, fp32, L layers,
-each metered at (T-1)/T * 4K bytes per rank: the ring volume of an all-gather or
-reduce-scatter of K):
-    sp_ag   4L + 2 calls: the two region entries forward, the two row outputs backward, per
-            layer; the first block's cut (backward) and the final norm's gather (forward)
-    sp_rs   4L + 1 calls: the two row outputs forward, the two region entries backward, per
-            layer; the final norm's gather (backward)
-    sp_grad one all-reduce per slice-used parameter (norm weights and biases, row biases):
-            2(T-1)/T * 4 * size bytes
-    tp_vocab  the embedding's all-reduce (K) and the loss's two small ones, as under tp; the
-            head's f (an all-reduce of K backward) is gone (the final gather's backward sums)
-Against tp's 4L + 2 all-reduces of K (8L + 4 units of (T-1)/T * 4K), sp moves 8L + 5 units:
-one more, the first block's backward gather, because the embedding keeps its all-reduce (a
-reduce-scatter there would leave the position embedding and the models' mask and position
-code, which read the embedding's length, on a slice).
+Collectives, per training step (K = B*S*h elements of the residual stream, fp32, L layers;
+each all-gather or reduce-scatter of K is metered at (T-1)/T * 4K bytes per rank, its ring
+volume; "a unit" below):
+    sp_ag   forward: the two region entries per layer and the final norm's gather; backward:
+            the two row outputs per layer, the first block's cut, and the re-gathers of the
+            regions' inputs (one per region, shared by its column layers: q, k and v re-gather
+            once) and of the head's input when the head reads the final gather directly (our
+            GPT; GPT-2 and Llama reshape or index it first, so their head keeps its input
+            whole): 6L + 3 calls for our GPT, 6L + 2 for GPT-2 and Llama
+    sp_rs   4L + 1 calls: the two row outputs forward and the two region entries backward per
+            layer; the final gather's backward
+    sp_grad one all-reduce per slice-used parameter and step (norm weights and biases, row
+            biases): 2(T-1)/T * 4 * its size bytes (6L + 2 vectors of h for our GPT)
+    tp_vocab  the embedding's all-reduce of K and the loss's two small ones, as under tp; the
+            head's f (an all-reduce of K in backward) is gone: the final gather's backward sums
+Against tp's 8L + 2 units (4L + 1 all-reduces: the layers' f and g, the head's f; the
+embedding's all-reduce is common to both), sp moves 10L + 4 for our GPT: the forward and the
+gradient path move exactly tp's volume, plus 2L + 1 backward re-gathers (Megatron's price for
+keeping only slices, section 4.2.2 of the paper, overlapped with compute there) and the first
+block's backward gather (the embedding keeps its all-reduce: a reduce-scatter there would leave
+the position embedding and the models' mask and position code, which read the embedding's
+length, on a slice).
 
-Memory per rank: the saved activations of norms, residual adds and dropout / T; attention's and
-the MLP's gathered input is saved whole by their first linears (Megatron re-gathers it in
-backward to keep only the slice, one more all-gather per region: not done here); weights as tp.
+Memory per rank: every saved activation between regions (norm inputs, and the regions' inputs,
+which their column layers save as the slice and re-gather in backward) is / T, so the residual
+stream's share of a layer's saved activations (Korthikanti et al.'s 10 sbh of 34 sbh + 5as^2b
+per layer at T = 1) is divided by T too; inside attention and the MLP, tp already divides them.
+A region's whole input lives only from its entry to its last column layer, and again in
+backward from the first re-gather to the last. Weights: as tp.
 
 Not with: pipeline parallelism (stages would pass slices), LoRA adapters, dropout > 0 in the
 blocks (each tp rank would need its own random stream on its slice): each refused in one line.
@@ -68,8 +78,9 @@ import inspect
 
 import torch.nn as nn
 
-from shardwise.comm.autograd import (gather_from_sequence, passthrough, reduce_scatter_to_sequence,
-                                     scatter_to_sequence, sum_grad_over_tp)
+from shardwise.comm.autograd import (gather_for_region, linear_on_gathered, passthrough,
+                                     reduce_scatter_to_sequence, scatter_to_sequence,
+                                     sum_grad_over_tp)
 from shardwise.comm.collectives import Comm, Group
 from shardwise.models.plans import ModelPlan, plan_of
 
@@ -92,16 +103,17 @@ def apply_sequence_parallel(model: nn.Module, mesh, comm: Comm) -> list[str]:
         split = plan.split_of(path)
         if split is not None and split.style in ("colwise", "vocab_head"):
             mod.enter = passthrough             # the region's (or the final) gather sums
+            mod.matmul = linear_on_gathered     # and saves the slice, not the whole input
         elif split is not None and split.style == "rowwise":
             mod.reduce = reduce_scatter_to_sequence
             summed += _sum_grads(mod, path, ["bias"], comm, group)
         elif path in regions:
             mod.register_forward_pre_hook(
-                _on_input(lambda x: gather_from_sequence(x, comm, group)), with_kwargs=True)
+                _on_input(lambda x: gather_for_region(x, comm, group)), with_kwargs=True)
         elif _between_regions(path, plan, regions) or path == plan.norm:
             summed += _sum_grads(mod, path, list(mod._parameters), comm, group)
     modules[plan.norm].register_forward_hook(
-        lambda m, args, out: gather_from_sequence(out, comm, group))
+        lambda m, args, out: gather_for_region(out, comm, group))
     return summed
 
 

@@ -91,12 +91,13 @@ class ColumnParallelLinear(nn.Module):
                             linear.weight)
         self.bias = None if linear.bias is None else _like(
             shard_tensor(linear.bias, self.bias_spec, group.rank, group.size), linear.bias)
-        self.enter = copy_to_tp         # f (parallel/sequence.py swaps it for a passthrough)
+        self.enter = copy_to_tp         # f; parallel/sequence.py swaps both for its own
+        self.matmul = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.enter(x, self.comm, self.group, self.name)          # (B, T, in) replicated
         w = self.weight.t() if self.transposed else self.weight      # (out_local, in)
-        return F.linear(x, w, self.bias)                             # (B, T, out_local)
+        return self.matmul(x, w, self.bias)                          # (B, T, out_local)
 
 
 class RowParallelLinear(nn.Module):
