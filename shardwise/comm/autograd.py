@@ -16,6 +16,18 @@ the gradient back.
 
 Every operator takes the Comm, the Group and a meter name, so the traffic of each use shows up in
 the communication meter under its own name (tp_fwd / tp_bwd for the per-layer pairs).
+
+Sequence parallelism (Korthikanti et al., 2022; parallel/sequence.py) replaces f and g where the
+residual stream is cut along the sequence (dimension 1 of a (B, S, ...) activation):
+
+    scatter_to_sequence        forward: this rank's slice (no traffic)   backward: all-gather
+    gather_from_sequence       forward: all-gather                       backward: reduce-scatter
+    reduce_scatter_to_sequence forward: reduce-scatter                   backward: all-gather
+    sum_grad_over_tp           forward: identity (a parameter)           backward: all-reduce
+
+metered ``sp_ag`` (all-gathers), ``sp_rs`` (reduce-scatters) and ``sp_grad``.
+``gather_for_region`` / ``linear_on_gathered`` let the column-parallel layers that read a
+gathered input save its slice only and gather it again in backward (Regather: once per region).
 """
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ Partition (tp ranks r = 0..T-1, GPT of width h, H heads, vocabulary V):
     the loss is the vocab-parallel cross-entropy, so no rank holds the (b, s, V) logits.
   - layer norms and the position embedding are replicated; their gradients come out identical
     on every tp rank (their inputs' gradients are already summed by f), so they need no traffic.
+    ``--sp`` (parallel/sequence.py) runs the norms on a slice of the sequence instead, swapping
+    each layer's f / g (``enter``, ``reduce``) for all-gathers and reduce-scatters along it.
 
 Collectives (b*s*h elements each, fp32): per layer, forward two allreduces (g after attn.proj and
 after mlp.proj: meter ``tp_fwd``); backward two allreduces (f before qkv and before fc: ``tp_bwd``).
