@@ -3,7 +3,8 @@ sequence, tp's all-reduces turned into reduce-scatters and all-gathers along it
 (shardwise/parallel/sequence.py).
 
 Equal to one process on our GPT, Hugging Face Llama and GPT-2 at tp 2 (world 2) and at
-dp 2 x tp 2 under ZeRO-1 and ZeRO-3 (world 4): ranks seeded differently before ``prepare`` (the
+dp 2 x tp 2 under ZeRO-1, ZeRO-3 and DDP (world 4; also shardwise's own loop on a meta-device GPT
+under ZeRO-3 with activation checkpointing): ranks seeded differently before ``prepare`` (the
 slices are cut from global rank 0's weights), two AdamW parameter groups, clipping that binds at
 every step, a user's own loss on ``engine(x)`` (whole-sequence, whole-vocabulary logits) and
 shardwise's vocab-parallel one; Llama with activation checkpointing too. The meter shows the
@@ -23,9 +24,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import run_world
+from harness import assert_close_runs, run_world
 from models_hf import SEQ, VOCAB, tiny_gpt2, tiny_llama, token_batches, two_groups
-from reference import ATOL, RTOL
+from reference import ATOL, RTOL, single_run, tiny_config
 
 from shardwise import cli
 from shardwise.config import (Config, DataConfig, MemoryConfig, ModelConfig, ParallelConfig,
@@ -47,8 +48,8 @@ def user_loss(out, y):
 
 
 def _cfg(strategy="tp", ckpt=False, **parallel):
-    return Config(model=GPT, data=DataConfig(dataset="synthetic"), parallel=ParallelConfig(strategy=strategy, sequence_parallel=True,
-                                                    **parallel),
+    parallel = ParallelConfig(strategy=strategy, sequence_parallel=True, **parallel)
+    return Config(model=GPT, data=DataConfig(dataset="synthetic"), parallel=parallel,
                   memory=MemoryConfig(activation_checkpointing=ckpt),
                   train=TrainConfig(batch_size=BATCH, device="cpu"))
 
@@ -115,8 +116,8 @@ def _activations(rank, seq=512):
     model_cfg = ModelConfig(n_layer=2, n_embd=64, n_head=4, block_size=seq, vocab_size=VOCAB)
     out = {}
     for sp in (False, True):
-        cfg = Config(model=model_cfg, data=DataConfig(dataset="synthetic"), parallel=ParallelConfig(strategy="tp", tp=2,
-                                                              sequence_parallel=sp),
+        cfg = Config(model=model_cfg, data=DataConfig(dataset="synthetic"),
+                     parallel=ParallelConfig(strategy="tp", tp=2, sequence_parallel=sp),
                      train=TrainConfig(batch_size=2, device="cpu"))
         engine = shardwise.prepare(build_model(model_cfg, SEED), two_groups(LR), cfg)
         g = torch.Generator().manual_seed(0)
@@ -135,8 +136,25 @@ def _world2(rank, n, runs):
     return out
 
 
+def _train_cfg():
+    """shardwise's own loop on a meta-device GPT (the run's default init: every rank makes only
+    its slices from the seed) with ZeRO-3 over dp 2, tp 2 + sp and activation checkpointing."""
+    cfg = tiny_config("3d", steps=6, dp=2, tp=2, zero_stage=3, sequence_parallel=True)
+    return replace(cfg, memory=replace(cfg.memory, activation_checkpointing=True),
+                   logging=replace(cfg.logging, schedule_png="off"))
+
+
 def _world4(rank, n, runs):
-    return {tag: _loop(rank, tag, family, cfg) for tag, family, cfg in runs}
+    out = {tag: _loop(rank, tag, family, cfg) for tag, family, cfg in runs}
+    from shardwise.run.runtime import init_runtime
+    from shardwise.run.train import train
+    summary = train(_train_cfg(), init_runtime(_train_cfg()), quiet=True)
+    engine = summary["engine"]
+    checkpointed = sum(getattr(m, "checkpointed", False) for m in engine.strategy.model.modules())
+    out["train-z3-ckpt"] = (summary["losses"], engine.full_state_dict(), set(summary["comm"]),
+                            checkpointed)
+    engine.close()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +250,11 @@ def test_sp_dp2_tp2_zero1_zero3_equals_one_process(references):
         _check(results[0][tag], references[family], tag)
         assert "sp_rs" in results[0][tag]["meter"] and "tp_fwd" not in results[0][tag]["meter"]
     assert results[0]["llama-z3"]["zero_shard"] and results[0]["gpt-z1"]["dp"] == 2
+    cfg = _train_cfg()                      # the reference: one process, no sp (tp = 1)
+    expected = single_run(replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=False)))
+    losses, params, meter, checkpointed = results[0]["train-z3-ckpt"]
+    assert {"sp_ag", "sp_rs", "sp_grad", "zero_grad_rs"} <= meter and checkpointed == 2
+    assert_close_runs(losses, expected[0], params, expected[1], RTOL, ATOL, why=WHY)
 
 
 @pytest.mark.parametrize("extra, says", [
