@@ -31,9 +31,10 @@ gradient. Each is summed over tp by an autograd op on its use (comm/autograd.sum
 meter ``sp_grad``): the module's forward reads the parameter through that op, so the backward
 hands autograd the whole sequence's gradient before it is accumulated into ``.grad``. Every
 data-parallel stage reads gradients at or after accumulation (DDP's bucket views, ZeRO's
-post-accumulate hooks, a pipeline's micro-batches accumulating in turn), so each sees the tp
-sum already, whatever it does over dp; hooks on the parameter tensors instead would be lost when
-ZeRO-3 swaps a meta parameter for its storage. Those gradients are then identical on every tp
+post-accumulate hooks, micro-batches accumulating in turn), so each sees the tp sum already,
+whatever it does over dp; the op sits in the graph, so activation checkpointing recomputes it
+with the rest. (A hook on the parameter tensor instead would rely on every stage keeping each
+parameter object, hooks included, through its storage swaps: ZeRO-3 swaps meta parameters.) Those gradients are then identical on every tp
 rank, so clipping counts them once (TensorPlan.counts: replicated -> tp rank 0), as before.
 
 Collectives, per training step (K = B*S*h elements of the residual stream, fp32, L layers;
@@ -47,7 +48,7 @@ volume; "a unit" below):
             whole): 6L + 3 calls for our GPT, 6L + 2 for GPT-2 and Llama
     sp_rs   4L + 1 calls: the two row outputs forward and the two region entries backward per
             layer; the final gather's backward
-    sp_grad one all-reduce per slice-used parameter and step (norm weights and biases, row
+    sp_grad one all-reduce per slice-used parameter and backward (norm weights and biases, row
             biases): 2(T-1)/T * 4 * its size bytes (6L + 2 vectors of h for our GPT)
     tp_vocab  the embedding's all-reduce of K and the loss's two small ones, as under tp; the
             head's f (an all-reduce of K in backward) is gone: the final gather's backward sums

@@ -129,8 +129,55 @@ def _activations(rank, seq=512):
     return out
 
 
+class Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, h):                                    # (B, T, 32)
+        return h + self.down(F.gelu(self.up(h)))
+
+
+class NoRegions(torch.nn.Module):
+    """A user's model whose plan says how tp splits it, but not its regions nor final norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.layers = torch.nn.ModuleList(Residual() for _ in range(2))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def _refusals(rank):
+    """What sp refuses inside a run, each as one line: a plan without regions (prepare), and a
+    batch whose sequence length tp does not divide (the first op that cuts it)."""
+    import shardwise
+    from shardwise.models.plans import ModelPlan, Split, register_plan
+    register_plan(NoRegions, ModelPlan(blocks="layers", tp={
+        "layers.*.up": Split("colwise"), "layers.*.down": Split("rowwise")}))
+    out = {}
+    try:
+        shardwise.prepare(NoRegions(), two_groups(LR), _cfg(tp=2), loss_fn=user_loss)
+    except TypeError as e:
+        out["plan"] = str(e)
+    engine = shardwise.prepare(BUILD["gpt"](SEED), two_groups(LR), _cfg(tp=2))
+    x, _ = token_batches(1, BATCH)[0]
+    try:
+        engine(x[:, :15])
+    except ValueError as e:
+        out["length"] = str(e)
+    engine.close()
+    return out
+
+
 def _world2(rank, n, runs):
     out = {tag: _loop(rank, tag, family, cfg) for tag, family, cfg in runs}
+    out["refusals"] = _refusals(rank)
     out["traffic"] = _traffic(rank)
     out["activations"] = _activations(rank)
     return out
@@ -255,6 +302,14 @@ def test_sp_dp2_tp2_zero1_zero3_equals_one_process(references):
     losses, params, meter, checkpointed = results[0]["train-z3-ckpt"]
     assert {"sp_ag", "sp_rs", "sp_grad", "zero_grad_rs"} <= meter and checkpointed == 2
     assert_close_runs(losses, expected[0], params, expected[1], RTOL, ATOL, why=WHY)
+
+
+def test_sp_refuses_a_plan_without_regions_and_an_odd_length_in_one_line(world2):
+    _, results = world2
+    said = results[0]["refusals"]
+    assert "needs the model plan's regions" in said["plan"] and "fix:" in said["plan"]
+    assert "a length of 15 does not divide" in said["length"] and "fix:" in said["length"]
+    assert all("\n" not in m for m in said.values())
 
 
 @pytest.mark.parametrize("extra, says", [
