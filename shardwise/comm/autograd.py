@@ -16,6 +16,18 @@ the gradient back.
 
 Every operator takes the Comm, the Group and a meter name, so the traffic of each use shows up in
 the communication meter under its own name (tp_fwd / tp_bwd for the per-layer pairs).
+
+Sequence parallelism (Korthikanti et al., 2022; parallel/sequence.py) replaces f and g where the
+residual stream is cut along the sequence (dimension 1 of a (B, S, ...) activation):
+
+    scatter_to_sequence        forward: this rank's slice (no traffic)   backward: all-gather
+    gather_from_sequence       forward: all-gather                       backward: reduce-scatter
+    reduce_scatter_to_sequence forward: reduce-scatter                   backward: all-gather
+    sum_grad_over_tp           forward: identity (a parameter)           backward: all-reduce
+
+metered ``sp_ag`` (all-gathers), ``sp_rs`` (reduce-scatters) and ``sp_grad``.
+``gather_for_region`` / ``linear_on_gathered`` let the column-parallel layers that read a
+gathered input save its slice only and gather it again in backward (Regather: once per region).
 """
 from __future__ import annotations
 
@@ -170,3 +182,187 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_star
     out = torch.nn.functional.embedding(local, weight)                      # (B, T, C)
     out = out.masked_fill(outside[..., None], 0.0)
     return reduce_from_tp(out, comm, group, name=name)
+
+
+# -- sequence parallelism (Korthikanti et al., 2022): the residual stream split on the sequence --
+# The activations are batch-first, (B, S, ...): the sequence is dimension 1. Each op moves it to
+# the front for the collective (whose pieces are contiguous runs of dimension 0) and back.
+def _check_sequence(s: int, group: Group) -> None:
+    if s % group.size:
+        raise ValueError(f"sequence parallelism splits the sequence over the {group.size} tp "
+                         f"ranks, and a length of {s} does not divide; fix: a sequence length "
+                         f"divisible by {group.size} (--block-size), or drop --sp")
+
+
+def _gather_sequence(x: torch.Tensor, comm: Comm, group: Group, name: str) -> torch.Tensor:
+    """(B, S/N, ...) slices of every rank -> (B, S, ...) in rank order (no autograd)."""
+    front = x.transpose(0, 1).contiguous()                          # (S/N, B, ...)
+    out = torch.empty((group.size * front.shape[0], *front.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    comm.all_gather(out, front, group, name=name)                   # (S, B, ...)
+    return out.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, comm: Comm, group: Group, name: str) -> torch.Tensor:
+    """(B, S, ...) partial sums of every rank -> this rank's (B, S/N, ...) slice of their sum."""
+    _check_sequence(x.shape[1], group)
+    front = x.transpose(0, 1).contiguous()                          # (S, B, ...)
+    out = torch.empty((front.shape[0] // group.size, *front.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    comm.reduce_scatter(out, front, group, name=name)               # (S/N, B, ...)
+    return out.transpose(0, 1).contiguous()
+
+
+def _my_slice(x: torch.Tensor, group: Group) -> torch.Tensor:
+    _check_sequence(x.shape[1], group)
+    n = x.shape[1] // group.size
+    return x[:, group.rank * n: (group.rank + 1) * n].contiguous()
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """Replicated (B, S, ...) -> this rank's (B, S/N, ...) slice (no communication); backward:
+    all-gather of the slices' gradients (each rank's slice gradient is complete)."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, group: Group):
+        ctx.comm, ctx.group = comm, group
+        return _my_slice(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.comm, ctx.group, "sp_ag"), None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """Megatron's SP f: all-gather the slices forward; backward, the whole-sequence gradients
+    (partial sums: each rank's heads, or vocabulary columns) reduce-scattered to slices."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, group: Group):
+        ctx.comm, ctx.group = comm, group
+        return _gather_sequence(x, comm, group, "sp_ag")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.comm, ctx.group, "sp_rs"), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Megatron's SP g: partial sums reduce-scattered to slices forward; backward, the slices'
+    gradients all-gathered (the gradient of a partial sum is the sum's)."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, group: Group):
+        ctx.comm, ctx.group = comm, group
+        return _reduce_scatter_sequence(x, comm, group, "sp_rs")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad.contiguous(), ctx.comm, ctx.group, "sp_ag"), None, None
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """A replicated parameter used on a sequence slice: identity forward; backward, its
+    gradient (this slice's part) summed over tp, so every rank holds the whole sequence's."""
+
+    @staticmethod
+    def forward(ctx, p, comm: Comm, group: Group):
+        ctx.comm, ctx.group = comm, group
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, ctx.group, name="sp_grad")
+        return grad, None, None
+
+
+def scatter_to_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+    """Enter the sequence-parallel region: this rank's slice of a replicated (B, S, ...)."""
+    return x if group.size == 1 else _ScatterToSequence.apply(x, comm, group)
+
+
+def gather_from_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+    """Leave it: the whole sequence (meter ``sp_ag``; backward ``sp_rs``)."""
+    return x if group.size == 1 else _GatherFromSequence.apply(x, comm, group)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, comm: Comm, group: Group,
+                               name: str = "sp_rs") -> torch.Tensor:
+    """A row-parallel layer's partial sums -> this rank's slice of the sum (meter ``sp_rs``;
+    backward ``sp_ag``). Takes a meter name (ignored) to stand in for :func:`reduce_from_tp`."""
+    return x if group.size == 1 else _ReduceScatterToSequence.apply(x, comm, group)
+
+
+def sum_grad_over_tp(p: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+    """``p`` as used on a sequence slice: its gradient summed over tp (meter ``sp_grad``)."""
+    return p if group.size == 1 else _SumGradOverTP.apply(p, comm, group)
+
+
+class Regather:
+    """The whole input of a sequence-parallel region (all-gathered from this rank's slice), as
+    its column-parallel layers' backward needs it: gathered again from the slice once, by the
+    first of them, and dropped after the last (Megatron's trick: the region keeps its slice,
+    not the whole sequence, for backward). ``users``: layers whose backward still needs it."""
+
+    def __init__(self, comm: Comm, group: Group):
+        self.comm, self.group, self.users, self.whole = comm, group, 0, None
+
+    def take(self, s: torch.Tensor) -> torch.Tensor:
+        if self.whole is None:
+            self.whole = _gather_sequence(s, self.comm, self.group, "sp_ag")      # (B, S, in)
+        whole, self.users = self.whole, self.users - 1
+        if self.users <= 0:
+            self.whole = None
+        return whole
+
+
+class _LinearOnGathered(torch.autograd.Function):
+    """y = x W^T + b on a gathered whole input x whose slice s is saved instead of x; the
+    weight's gradient re-gathers x from s (Regather); x's gradient flows to the gather."""
+
+    @staticmethod
+    def forward(ctx, x, s, w, b, regather: Regather):
+        ctx.regather, ctx.has_bias = regather, b is not None
+        if w.requires_grad:
+            regather.users += 1
+        ctx.save_for_backward(s, w)
+        return torch.nn.functional.linear(x, w, b)                         # (B, S, out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        s, w = ctx.saved_tensors
+        grad_x = grad.matmul(w.to(grad.dtype)) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
+        flat = grad.reshape(-1, grad.shape[-1])                            # (B*S, out)
+        if ctx.needs_input_grad[2]:
+            x = ctx.regather.take(s).to(grad.dtype)
+            grad_w = flat.t().matmul(x.reshape(-1, x.shape[-1]))           # (out, in)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_b = flat.sum(0)
+        return grad_x, None, grad_w, grad_b, None
+
+
+def gather_for_region(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
+    """:func:`gather_from_sequence` whose output remembers the slice it came from, so that the
+    column-parallel layers reading it (:func:`linear_on_gathered`) save that slice only."""
+    if group.size == 1:
+        return x
+    whole = _GatherFromSequence.apply(x, comm, group)
+    whole.sp_source = (x, Regather(comm, group))
+    return whole
+
+
+def linear_on_gathered(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, saving for backward the slice ``x`` was gathered from (gather_for_region)
+    instead of ``x`` itself; a plain F.linear on any other input."""
+    source = getattr(x, "sp_source", None)
+    if source is None or not torch.is_grad_enabled():
+        return torch.nn.functional.linear(x, w, b)
+    return _LinearOnGathered.apply(x, source[0], w, b, source[1])
+
+
+def passthrough(x: torch.Tensor, comm: Comm, group: Group, name: str = "") -> torch.Tensor:
+    """Stands in for :func:`copy_to_tp` where the input was gathered by
+    :func:`gather_from_sequence`, whose backward already sums the ranks' gradients."""
+    return x

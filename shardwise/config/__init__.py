@@ -97,6 +97,9 @@ class ParallelConfig:
     nproc_per_node: int = _f(0, "processes to start on this machine; 0 = one per GPU, or 2 on CPU")
     dp: int = _f(0, "data-parallel size; 0 = whatever the world size leaves after tp and pp")
     tp: int = _f(1, "tensor-parallel size (innermost mesh axis)")
+    sequence_parallel: bool = _f(False, "with --tp > 1: norms, residual adds and dropout run on a "
+                                 "1/tp slice of the sequence (Megatron-LM sequence parallelism; "
+                                 "the sequence length must divide by tp)", flag="sp")
     pp: int = _f(1, "pipeline-parallel size (outermost mesh axis)")
     allreduce: str = _f("auto", "gradient allreduce: native = the backend's own; ring = "
                         "shardwise's ring; shm = through shared memory between the ranks of one "

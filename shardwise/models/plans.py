@@ -9,6 +9,11 @@ A plan says, by module path (``*`` stands for a block's index):
             read by the vocab-parallel loss); ``transposed`` for Hugging Face's Conv1D, whose
             weight is (in, out), so colwise / rowwise split its other dimension. Every module not
             named is replicated (norms, position embeddings, rotary tables).
+  regions   sequence parallelism (``--sp``): the modules of each block that tensor parallelism
+            splits inside (attention, MLP), whose input must be the whole sequence; the rest of a
+            block (norms, residual adds, dropout) runs on a slice of it
+  norm      sequence parallelism: the final norm, the last module on a slice (the head after it
+            reads the whole sequence)
   heads     attributes of attention modules that hold head counts or widths the module reshapes
             by: divided by tp after the split, so each rank runs its own heads
   blocks    the ModuleList of transformer blocks: the units of activation checkpointing, of
@@ -71,6 +76,8 @@ class ModelPlan:
     blocks: str
     tp: dict = field(default_factory=dict)            # path -> Split
     heads: dict = field(default_factory=dict)         # attention path -> attribute names
+    regions: tuple = ()                               # sp: split modules of a block (patterns)
+    norm: str = ""                                    # sp: the final norm's path
     first: tuple = ()
     last: tuple = ()
     shared: tuple = ()
@@ -151,7 +158,8 @@ def _check_fits(model: nn.Module, plan: ModelPlan) -> None:
     one TypeError line naming the class, the missing path and the fix (instead of an
     AttributeError from deep inside a pipeline stage or a tensor-parallel split)."""
     name = type(model).__name__
-    missing = next((p for p in (plan.blocks, *plan.first, *plan.last, *plan.shared)
+    missing = next((p for p in (plan.blocks, *plan.first, *plan.last, *plan.shared,
+                                *((plan.norm,) if plan.norm else ()))
                     if not _has_module(model, p)), None)
     why = f"names module {missing!r}, which {name} does not have" if missing else None
     if why is None and plan.sizes is not None:
@@ -220,6 +228,7 @@ _REGISTRY["GPT"] = ModelPlan(
         "blocks.*.mlp.fc": Split("colwise"), "blocks.*.mlp.proj": Split("rowwise"),
         "tok_emb": Split("vocab"), "head": Split("vocab_head")},
     heads={"blocks.*.attn": ("n_head",)},
+    regions=("blocks.*.attn", "blocks.*.mlp"), norm="ln_f",
     first=("tok_emb", "pos_emb", "drop"), last=("ln_f", "head"),
     sizes=lambda m: dict(n_head=m.cfg.n_head, n_kv_head=m.cfg.n_head,
                          vocab_size=m.cfg.vocab_size, n_embd=m.cfg.n_embd),
@@ -312,6 +321,7 @@ _REGISTRY["GPT2LMHeadModel"] = ModelPlan(
         "transformer.h.*.mlp.c_proj": Split("rowwise", transposed=True),
         "transformer.wte": Split("vocab"), "lm_head": Split("vocab_head")},
     heads={"transformer.h.*.attn": ("num_heads", "split_size", "embed_dim")},
+    regions=("transformer.h.*.attn", "transformer.h.*.mlp"), norm="transformer.ln_f",
     first=("transformer.wte", "transformer.wpe", "transformer.drop"),
     last=("transformer.ln_f", "lm_head"),
     sizes=lambda m: dict(n_head=m.config.n_head, n_kv_head=m.config.n_head,
@@ -346,6 +356,7 @@ _REGISTRY["LlamaForCausalLM"] = ModelPlan(
         "model.layers.*.mlp.down_proj": Split("rowwise"),
         "model.embed_tokens": Split("vocab"), "lm_head": Split("vocab_head")},
     heads={},        # its attention reshapes by head_dim (-1 heads): nothing to divide
+    regions=("model.layers.*.self_attn", "model.layers.*.mlp"), norm="model.norm",
     first=("model.embed_tokens",), last=("model.norm", "lm_head"), shared=("model.rotary_emb",),
     sizes=lambda m: dict(n_head=m.config.num_attention_heads,
                          n_kv_head=m.config.num_key_value_heads,

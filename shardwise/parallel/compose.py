@@ -30,6 +30,10 @@ below follows it step by step):
                      which unit it is. A model handed over in memory is first moved and
                      broadcast from global rank 0 (meter ``init_broadcast``: slices and stages
                      are cut from the same weights)
+ 2b. sequence parallel   ``--sp`` (tp > 1): the tp-replicated parts of each block (norms,
+                     residual adds, dropout) on a 1/tp slice of the sequence; the split layers'
+                     all-reduces become reduce-scatters and all-gathers along the sequence
+                     (parallel/sequence.py; meter ``sp_ag`` / ``sp_rs`` / ``sp_grad``)
  3. pipeline split   pp > 1: this rank keeps its stage, or its v chunks when interleaved
                      (parallel/pipeline/driver.cut)
  4. activation checkpointing   each of this rank's blocks recomputed in backward (memory/)
@@ -73,6 +77,7 @@ from shardwise.parallel import strategy_class
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
 from shardwise.parallel.data import stage_class
 from shardwise.parallel.pipeline import driver
+from shardwise.parallel.sequence import apply_sequence_parallel
 from shardwise.parallel.tensor import TensorPlan, split_from_rank0
 from shardwise.parallel.presets import DATA_MODEL, zero_stage
 
@@ -114,6 +119,8 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
     specs = {}
     if mesh.tp > 1 or mesh.pp > 1:                                        # 2
         model, specs, loss_fn = split_from_rank0(model, mesh, comm, device, loss_fn, mat)
+    if p.sequence_parallel:                                               # 2b
+        apply_sequence_parallel(model, mesh, comm)
     cut = units = None
     if mesh.pp > 1:                                                       # 3
         units = block_class_names(model)   # ZeRO-3's unit class, read off the whole model

@@ -31,7 +31,7 @@ from dataclasses import replace
 from shardwise.config import Config, ConfigError
 from shardwise.parallel.presets import DATA_MODEL, PRESETS, zero_stage  # noqa: F401 (re-exported)
 from shardwise.memory import checks as memory_checks
-from shardwise.parallel import dp_checks, ps_checks, tensor_checks
+from shardwise.parallel import dp_checks, ps_checks, sequence_checks, tensor_checks
 from shardwise.parallel.data import checks as data_checks
 from shardwise.parallel.pipeline import checks as pipeline_checks
 
@@ -79,13 +79,14 @@ def reads(cfg: Config) -> dict[str, bool]:
     """For a resolved config: whether its layout reads each layout-specific setting, as each
     component declares it."""
     return {**data_checks.reads(cfg, zero_stage(cfg)), **pipeline_checks.reads(cfg),
-            **ps_checks.reads(cfg), **dp_checks.reads(cfg)}
+            **ps_checks.reads(cfg), **dp_checks.reads(cfg), **sequence_checks.reads(cfg)}
 
 
 def check_components(cfg: Config, world_size: int, dp: int) -> None:
     """Every component's own checks of its own settings (validate.py calls this)."""
     data_checks.check(cfg, world_size, zero_stage(cfg), dp)
     tensor_checks.check(cfg, world_size)
+    sequence_checks.check(cfg, world_size)
     pipeline_checks.check(cfg, world_size, dp)
     ps_checks.check(cfg, world_size)
     dp_checks.check(cfg, world_size)
@@ -122,6 +123,7 @@ WHERE_READ = {
     "zero1_over_dp": "--pp 2 or more (else --zero-stage 1)", "replicas": "--strategy dp",
     "num_microbatches": "--pp 2 or more", "schedule": "--pp 2 or more",
     "stage_layers": "--pp 2 or more", "pp_transport": "--pp 2 or more",
+    "sequence_parallel": "ddp, zeroN, tp or 3d with --tp 2 or more",
 }
 
 
@@ -134,7 +136,8 @@ def describe(cfg: Config) -> str:
     dp = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"][stage]
     parts = [f"{dp} over dp"]
     if p.tp > 1:
-        parts.append(f"tensor parallel over tp={p.tp}")
+        parts.append(f"tensor parallel over tp={p.tp}"
+                     + (" with sequence parallelism" if p.sequence_parallel else ""))
     if p.pp > 1:
         parts.append(f"pipeline over pp={p.pp} ({p.schedule})")
     return " x ".join(parts)

@@ -15,6 +15,8 @@ Partition (tp ranks r = 0..T-1, GPT of width h, H heads, vocabulary V):
     the loss is the vocab-parallel cross-entropy, so no rank holds the (b, s, V) logits.
   - layer norms and the position embedding are replicated; their gradients come out identical
     on every tp rank (their inputs' gradients are already summed by f), so they need no traffic.
+    ``--sp`` (parallel/sequence.py) runs the norms on a slice of the sequence instead, swapping
+    each layer's f / g (``enter``, ``reduce``) for all-gathers and reduce-scatters along it.
 
 Collectives (b*s*h elements each, fp32): per layer, forward two allreduces (g after attn.proj and
 after mlp.proj: meter ``tp_fwd``); backward two allreduces (f before qkv and before fc: ``tp_bwd``).
@@ -91,11 +93,13 @@ class ColumnParallelLinear(nn.Module):
                             linear.weight)
         self.bias = None if linear.bias is None else _like(
             shard_tensor(linear.bias, self.bias_spec, group.rank, group.size), linear.bias)
+        self.enter = copy_to_tp         # f; parallel/sequence.py swaps both for its own
+        self.matmul = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.comm, self.group, self.name)          # (B, T, in) replicated
+        x = self.enter(x, self.comm, self.group, self.name)          # (B, T, in) replicated
         w = self.weight.t() if self.transposed else self.weight      # (out_local, in)
-        return F.linear(x, w, self.bias)                             # (B, T, out_local)
+        return self.matmul(x, w, self.bias)                          # (B, T, out_local)
 
 
 class RowParallelLinear(nn.Module):
@@ -112,10 +116,11 @@ class RowParallelLinear(nn.Module):
                             linear.weight)
         self.bias = None if linear.bias is None else _like(linear.bias.detach().clone(),
                                                            linear.bias)
+        self.reduce = reduce_from_tp    # g (parallel/sequence.py: a reduce-scatter instead)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.t() if self.transposed else self.weight      # (out, in_local)
-        y = reduce_from_tp(F.linear(x, w), self.comm, self.group, self.name)   # (B, T, out)
+        y = self.reduce(F.linear(x, w), self.comm, self.group, self.name)      # (B, T, out)
         return y if self.bias is None else y + self.bias
 
 

@@ -20,7 +20,7 @@ from shardwise.parallel import layout
 
 from shardwise.config import rundir
 from shardwise.config import (Config, ConfigError, MemoryConfig, ModelConfig, ParallelConfig,
-                              section_fields)
+                              flag_of, section_fields)
 
 from shardwise.parallel.presets import SINGLE_PROCESS, resolve_dp  # noqa: F401 (re-exported)
 from shardwise.parallel.pipeline import checks as pipeline_checks
@@ -91,13 +91,18 @@ def check_ignored(cfg: Config, args=None, world_size: int | None = None) -> None
         value = getattr(getattr(cfg, sec), name)
         if not used and value != getattr(defaults[sec], name):
             raise ConfigError(f"{sec}.{name}", value, f"the layout ({layout.describe(cfg)}) "
-                              "does not use it", f"drop --{name.replace('_', '-')}, or use "
+                              "does not use it", f"drop {_flag(sec, name)}, or use "
                               + {**layout.WHERE_READ, **pipeline_checks.WHERE_READ}.get(
                                   name, "--strategy ps"))
     check_unread(cfg, args, world_size)
 
 
 MEMORY_FIELDS = {f.name for sec, f in section_fields() if sec == "memory"}
+
+
+def _flag(sec: str, name: str) -> str:
+    """The command-line flag of field ``sec.name`` (``--sp`` for sequence_parallel)."""
+    return next(flag_of(f) for s, f in section_fields() if (s, f.name) == (sec, name))
 GPT_SIZES = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout")
 
 
