@@ -282,4 +282,5 @@ def batch_of(cfg: Config) -> Batch:
     """The global batch, precision and optimizer of ``cfg`` in the planner's terms."""
     precision = "fp32" if cfg.memory.mixed_precision == "no" else cfg.memory.mixed_precision
     optimizer = "sgd" if cfg.train.optimizer == "sgd" else "adam"
-    return Batch(cfg.train.batch_size, precision=precision, optimizer=optimizer)
+    return Batch(cfg.train.batch_size, precision=precision, optimizer=optimizer,
+                 init=cfg.model.init)

@@ -30,7 +30,7 @@ def train_line(plan: Ranking, tokens: float) -> str:
 
 def _others(plan: Ranking, top: int) -> list[Estimate]:
     """The best layout of each kind that the top rows do not already show."""
-    shown = {e.layout.kind for e in plan.ranked[:top]}
+    shown = {e.layout.family_name for e in plan.ranked[:top]}
     return [e for kind, e in plan.per_kind.items() if kind not in shown]
 
 
@@ -93,7 +93,7 @@ def print_table(plan: Ranking, top: int, tokens: float, out: TextIO | None = Non
     for i, e in enumerate(plan.ranked[:top], 1):
         table.add_row(*_row(e, plan, tokens, str(i)))
     for e in _others(plan, top):
-        table.add_row(*_row(e, plan, tokens, "best " + e.layout.kind))
+        table.add_row(*_row(e, plan, tokens, "best " + e.layout.family_name))
     console.print(table)
     if plan.winner is not None:
         console.print("[bold]memory of the winner[/] (" + plan.winner.memory_role + "): "
