@@ -14,7 +14,8 @@ strategies", translated):
 
 Beyond the guide, :func:`axes_note` says why the winner's dp and tp axes are what they are:
 HSDP against sharding over every dp rank (and, on several nodes, the other way round), and
-sequence parallelism against the same layout without it.
+sequence parallelism against the same layout without it; :func:`disk_only_note` says when
+only disk offload makes the model fit, and what the disk then moves per step.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Callable
 from shardwise.planner.cost import Estimate
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
+from shardwise.planner.offload import runtime_flags
 from shardwise.planner.units import fmt_bytes, fmt_seconds
 
 FAST_NETWORK = 10e9
@@ -199,3 +201,21 @@ def axes_note(winner: Estimate | None, fitting: list[Estimate], hw: Hardware,
                      f"activations by tp={lay.tp} at the same traffic; without it the layout "
                      f"{why}.")
     return "\n".join(lines)
+
+
+def _on_disk(lay: Layout) -> bool:
+    return "disk" in (lay.offload, lay.offload_params)
+
+
+def disk_only_note(winner: Estimate | None, fitting: list[Estimate], hw: Hardware) -> str:
+    """One line when every fitting layout offloads to disk (the state is larger than the host
+    memory): the flags, the state against the RAM, and the disk's I/O per step at its
+    bandwidth; "" otherwise."""
+    if winner is None or not _on_disk(winner.layout) or not all(_on_disk(f.layout)
+                                                                for f in fitting):
+        return ""
+    state = winner.disk_per_node + winner.host_per_node
+    io = winner.disk_io_per_node
+    return (f"Fits only with {runtime_flags(winner.layout)}: {fmt_bytes(state)} of state per "
+            f"node vs {fmt_bytes(hw.host_memory_bytes)} RAM; disk I/O per step "
+            f"{fmt_bytes(io)} at {hw.disk_bw / 1e9:.1f} GB/s ~ {fmt_seconds(io / hw.disk_bw)}.")

@@ -28,6 +28,21 @@ def train_line(plan: Ranking, tokens: float) -> str:
             f" on {plan.hardware.world_size} x {plan.hardware.name}.")
 
 
+def startup_line(plan: Ranking) -> str:
+    """What the winner's ranks build at start-up under the plan's init, against the other."""
+    w = plan.winner
+    if w is None:
+        return ""
+    whole = 4.0 * plan.model.params
+    ranks = min(plan.hardware.devices_per_node, w.layout.world)
+    eager = (f"the whole fp32 model on every rank, {fmt_bytes(whole)} per rank "
+             f"({fmt_bytes(whole * ranks)} per node)")
+    if plan.batch.init == "eager":
+        return f"Start-up (--init eager): {eager}; --init meta builds {fmt_bytes(w.startup)}."
+    return (f"Start-up (--init meta): each rank builds only what it keeps, "
+            f"{fmt_bytes(w.startup)} per rank; --init eager would build {eager}.")
+
+
 def _others(plan: Ranking, top: int) -> list[Estimate]:
     """The best layout of each kind that the top rows do not already show."""
     shown = {e.layout.family_name for e in plan.ranked[:top]}
@@ -99,6 +114,9 @@ def print_table(plan: Ranking, top: int, tokens: float, out: TextIO | None = Non
         console.print("[bold]memory of the winner[/] (" + plan.winner.memory_role + "): "
                       + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.winner.memory.items()))
     console.print(plan.explanation, highlight=False)
+    for line in (plan.disk_note, startup_line(plan)):
+        if line:
+            console.print(line, highlight=False)
     console.print(f"[bold]{train_line(plan, tokens)}[/]", highlight=False)
     if published_note(plan):
         console.print(published_note(plan), highlight=False)
@@ -116,11 +134,14 @@ def to_json(plan: Ranking, top: int, tokens: float) -> str:
     doc = {
         "model": plan.model.to_dict(), "hardware": plan.hardware.to_dict(),
         "batch": {"global_batch": plan.batch.global_batch, "precision": plan.batch.precision,
-                  "optimizer": plan.batch.optimizer, "convention": plan.batch.convention},
+                  "optimizer": plan.batch.optimizer, "convention": plan.batch.convention,
+                  "init": plan.batch.init},
         "tokens": tokens,
         "guide": {"case": plan.guide.case, "advice": plan.guide.advice,
                   "winner_matches": bool(w and plan.guide.matches(w.layout))},
         "explanation": plan.explanation,
+        "disk_note": plan.disk_note or None,
+        "startup": startup_line(plan) or None,
         "time_to_train_s": w.time_to_train(tokens) if w else None,
         "summary": train_line(plan, tokens),
         "tie_band": plan.band, "ties": plan.ties,

@@ -28,7 +28,7 @@ from typing import Iterator
 
 from shardwise.planner.cost import Estimate, estimate
 from shardwise.planner.errors import PlanError
-from shardwise.planner.explain import Guide, axes_note, explain, guide
+from shardwise.planner.explain import Guide, axes_note, disk_only_note, explain, guide
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Batch, Layout
 from shardwise.planner.model import ModelSpec
@@ -59,7 +59,11 @@ class Ranking:
     guide_best: Estimate | None
     """The fastest fitting layout the guide recommends."""
     explanation: str
-    """The verdict in the guide's terms."""
+    """The verdict in the guide's terms, and why the winner's dp and tp axes are what they are
+    (HSDP, sequence parallelism)."""
+    disk_note: str = ""
+    """When only disk offload fits: the flags, the state against the RAM, the disk's I/O per
+    step (explain.disk_only_note); "" otherwise."""
 
     @property
     def winner(self) -> Estimate | None:
@@ -230,4 +234,5 @@ def plan(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | None =
     text = text + ("\n" + note if note else "")
     return Ranking(model=model, hardware=hw, batch=batch, ranked=ranked,
                 ties=sum(id(e) in tie_ids for e in ranked), band=band, per_kind=per_kind,
-                guide=rule, guide_best=guide_best, explanation=text)
+                guide=rule, guide_best=guide_best, explanation=text,
+                disk_note=disk_only_note(winner, fitting, hw))
