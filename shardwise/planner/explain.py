@@ -157,11 +157,11 @@ def _hsdp_words(e: Estimate, hw: Hardware) -> str:
     lay = e.layout
     s, r = lay.dp_shard, lay.dp_replicate
     inside = s * lay.tp <= hw.devices_per_node
-    where = (f"in one node ({hw.interconnect}, {hw.intra_bw / 1e9:.0f} GB/s per device)"
-             if inside else "across nodes")
+    where = (f", in one node ({hw.interconnect}, {hw.intra_bw / 1e9:.0f} GB/s per device)"
+             if inside else " across nodes")
     net = f"the {hw.network} network" if hw.nodes > 1 else "the node's links"
-    return (f"its all-gathers and reduce-scatters stay inside each {s}-rank shard group "
-            f", {where}; only the allreduce of 1/{s} of the gradients across the {r} replica "
+    return (f"its all-gathers and reduce-scatters stay inside each {s}-rank shard group"
+            f"{where}; only the allreduce of 1/{s} of the gradients across the {r} replica "
             f"groups crosses {net} ({fmt_seconds(e.comm.get('replicas', 0.0))} per step)")
 
 
@@ -183,10 +183,11 @@ def axes_note(winner: Estimate | None, fitting: list[Estimate], hw: Hardware,
     elif hw.nodes > 1:
         best = next((f for f in fitting if f.layout.hsdp), None)
         if best is not None and any(best is t for t in fitting[:ties]):
+            extra = best.memory_total - winner.memory_total
             lines.append(
                 f"Why not HSDP: its best ({best.layout.describe()}) ties "
                 f"({best.step_s / winner.step_s - 1:+.1%} step time) with more moving parts "
-                f"and {fmt_bytes(best.memory_total - winner.memory_total)} more per device: "
+                f"and {fmt_bytes(abs(extra))} {'more' if extra >= 0 else 'less'} per device: "
                 f"{hw.network} hides the winner's traffic as well (exposed communication "
                 f"{fmt_seconds(winner.comm_exposed_s)}, HSDP's "
                 f"{fmt_seconds(best.comm_exposed_s)}).")
