@@ -210,13 +210,13 @@ def _on_disk(lay: Layout) -> bool:
 
 def disk_only_note(winner: Estimate | None, fitting: list[Estimate], hw: Hardware) -> str:
     """One line when every fitting layout offloads to disk (the state is larger than the host
-    memory): the flags, the state against the RAM, and the disk's I/O per step at its
-    bandwidth; "" otherwise."""
+    memory): the flags, the state it moves off the device (what cpu offload would have to put
+    in RAM) against the RAM, and the disk's I/O per step at its bandwidth; "" otherwise."""
     if winner is None or not _on_disk(winner.layout) or not all(_on_disk(f.layout)
                                                                 for f in fitting):
         return ""
     state = winner.disk_per_node + winner.host_per_node
     io = winner.disk_io_per_node
-    return (f"Fits only with {runtime_flags(winner.layout)}: {fmt_bytes(state)} of state per "
-            f"node vs {fmt_bytes(hw.host_memory_bytes)} RAM; disk I/O per step "
-            f"{fmt_bytes(io)} at {hw.disk_bw / 1e9:.1f} GB/s ~ {fmt_seconds(io / hw.disk_bw)}.")
+    return (f"Fits only with {runtime_flags(winner.layout)}: {fmt_bytes(state)} of offloaded "
+            f"state per node vs {fmt_bytes(hw.host_memory_bytes)} RAM; disk I/O per step "
+            f"{fmt_bytes(io)} at {hw.disk_bw / 1e9:.3g} GB/s ~ {fmt_seconds(io / hw.disk_bw)}.")
