@@ -47,8 +47,8 @@ def test_hsdp_traffic_is_the_shard_group_inside_a_node_and_one_allreduce_across(
     assert t.per_microbatch_rs == pytest.approx(rs + across)
     assert t.per_microbatch_ag == pytest.approx(
         2 * reduce_scatter_time(weights, 8, hw.intra_bw, hw.intra_latency, units))
-    # full sharding moves more across the slow network: 3 collectives of 1/8 of the model per
-    # device pair against HSDP's one allreduce of 1/8
+    # full sharding takes longer: its two gathers and reduce-scatter each cross the slow
+    # network (hierarchically, 1/8 of the model per device), against HSDP's one allreduce
     full = dp_traffic(Layout(dp=16, zero=3), p_dev, hw, BATCH, units=units)
     assert full.per_microbatch_rs + full.per_microbatch_ag > \
         t.per_microbatch_rs + t.per_microbatch_ag
