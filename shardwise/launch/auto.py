@@ -3,8 +3,10 @@
 Calibration lives in :mod:`shardwise.launch.calibrate`. Then :func:`choose` plans the GPT on
 ``Hardware.custom(...)`` for the local process count and for one process, keeps the fastest
 layout that shardwise can run (its strategy is installed and imports, and the resulting config
-validates), and converts it into the config: strategy, dp / tp / pp, schedule,
-num_microbatches (or grad_accum), offload, activation_checkpointing.
+validates), and converts it into the config: strategy, dp / tp / pp, HSDP's dp_replicate /
+dp_shard, sequence_parallel (where this installation has it), schedule, num_microbatches (or
+grad_accum), offload, offload_params, activation_checkpointing, and the model's init (the
+planner's start-up peak reads it).
 
 What the person fixed is kept: a ``--dp``, ``--tp``, ``--pp``, ``--grad-accum``, ``--offload`` or
 ``--activation-checkpointing`` given on the command line or in the config file (``FIXABLE``) rules
@@ -34,7 +36,13 @@ def to_config(layout: Layout, cfg: Config) -> tuple[Config, dict]:
     par = {"strategy": layout.kind, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
            "nproc_per_node": layout.world if layout.world > 1 else 0}
     mem = {"offload": layout.offload, "activation_checkpointing": layout.act_ckpt,
-           "grad_accum": 1 if layout.pp > 1 else m}
+           "grad_accum": 1 if layout.pp > 1 else m,
+           "offload_params": layout.offload_params != "none"}
+    # HSDP's split, or 0 / 0 (shard over all of dp) so a split left in the config cannot stay
+    par.update(dp_replicate=layout.dp_replicate if layout.hsdp else 0,
+               dp_shard=layout.dp_shard if layout.hsdp else 0)
+    if hasattr(cfg.parallel, "sequence_parallel"):
+        par["sequence_parallel"] = layout.sequence_parallel
     if layout.kind in ("single", "ps"):
         par["dp"] = 0
     if layout.kind == "ps":
@@ -74,8 +82,11 @@ def why_not_runnable(layout: Layout, cfg: Config) -> str:
         strategy_class(kind)
     except Exception as exc:  # a strategy still landing must not break auto
         return f"strategy {kind} does not import ({type(exc).__name__}: {exc})"
-    if layout.sequence_parallel:
-        return "sequence parallelism is not implemented"
+    if layout.sequence_parallel and not hasattr(cfg.parallel, "sequence_parallel"):
+        return "sequence parallelism (parallel.sequence_parallel) is not in this installation"
+    if layout.offload_params not in ("none", layout.offload):
+        return ("shardwise train offloads parameters only to where the optimizer goes "
+                "(--offload-params)")
     if (cfg.train.batch_size // layout.dp) % layout.micro_batch:
         return "its micro-batch does not divide a replica's batch"
     try:
@@ -101,7 +112,9 @@ class Choice:
 FIXABLE = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.nproc_per_node",
            "parallel.schedule", "parallel.num_microbatches", "parallel.virtual_stages",
            "parallel.num_ps", "parallel.num_workers", "parallel.zero1_over_dp",
-           "memory.grad_accum", "memory.offload", "memory.activation_checkpointing")
+           "parallel.dp_replicate", "parallel.dp_shard", "parallel.sequence_parallel",
+           "memory.grad_accum", "memory.offload", "memory.offload_params",
+           "memory.activation_checkpointing")
 """Every setting :func:`to_config` may change: one the person gave rules out the layouts that
 would change it."""
 
@@ -112,7 +125,7 @@ def fixed_by_user(cfg: Config, given) -> dict:
     out = {}
     for key in FIXABLE:
         section, name = key.split(".")
-        if given(section, name):
+        if hasattr(getattr(cfg, section), name) and given(section, name):
             out[key] = getattr(getattr(cfg, section), name)
     return out
 

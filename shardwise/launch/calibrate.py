@@ -15,12 +15,18 @@
   (``collective_overhead``), in a forked world of the local process count, which also times
   each rank's compute with every rank computing. On CUDA nothing is forked: one GPU has no link,
   and several GPUs' links come from the planner's GPU catalogue (``gpu_links``), which the
-  printed calibration says.
+  printed calibration says;
+- the disk that ``--offload disk`` writes to (``memory.offload_dir``, else the temp dir): a
+  file of at most 64 MiB written (fsynced) and read back with the page cache dropped
+  (``measure_disk``, bounded in size and time), and the free space there, for the planner's
+  disk offload (its I/O per step and whether the state fits).
 """
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, replace
 
@@ -77,6 +83,9 @@ class Calibration:
     """Where ``allreduce_bw`` and ``allreduce_latency`` come from (GPUs: the catalogue)."""
     interconnect: str = ""
     """The GPUs' link for the planner (``nvlink`` or ``pcie``); empty for CPU ranks."""
+    disk: "Disk | None" = None
+    """The offload directory's disk (``measure_disk``); None: not measured (the planner's
+    catalogue figures stand)."""
 
     def hardware(self, processes: int) -> Hardware:
         """``Hardware.custom`` for ``processes`` ranks on this machine (1: the whole process)."""
@@ -98,7 +107,8 @@ class Calibration:
             allreduce_bw=self.shared_allreduce_bw if cpu and processes > 1 else 0.0,
             collective_copies=1.0 if cpu else 0.0,   # gloo's reduce-scatter / all-gather copies
             compute_lanes=max(1, (os.cpu_count() or 1) // max(1, c.threads)) if cpu else 0,
-            interconnect="shm" if cpu else self.interconnect or "none")
+            interconnect="shm" if cpu else self.interconnect or "none",
+            **(self.disk.hardware_fields() if self.disk else {}))
 
     def describe(self) -> str:
         """Two or three lines: the measured figures, and the links (measured on CPU; on GPUs,
@@ -112,6 +122,8 @@ class Calibration:
                  f"one process with {w.threads} thread(s): matmul {w.matmul_flops / 1e9:.1f} "
                  f"GFLOP/s, GPT {w.model_flops / 1e9:.1f} GFLOP/s + {w.block_overhead * 1e3:.2f} ms"
                  f" per block and micro-batch"]
+        if self.disk is not None:
+            lines.append(self.disk.describe())
         if self.device != "cpu":
             lines.append(self._gpu_links())
         elif self.processes > 1:
@@ -134,6 +146,67 @@ class Calibration:
                 f"bandwidth {self.allreduce_bw / 1e9:.1f} GB/s, latency "
                 f"{self.allreduce_latency * 1e6:.0f} us per ring step; memory per GPU "
                 f"{fmt_bytes(self.memory_bytes)}")
+
+
+@dataclass(frozen=True)
+class Disk:
+    """The offload directory's disk, measured by :func:`measure_disk`."""
+
+    path: str
+    """The directory measured (where ``--offload disk`` keeps its files)."""
+    read_bw: float
+    """Bytes/s of reading the test file back with the page cache dropped."""
+    write_bw: float
+    """Bytes/s of writing the test file, fsync included."""
+    free_bytes: int
+    """Free space in ``path``."""
+    size: int
+    """Bytes written and read."""
+
+    @property
+    def bandwidth(self) -> float:
+        """The rate of moving equal bytes each way (the planner's one ``disk_bw``): their
+        harmonic mean."""
+        return 2 / (1 / self.read_bw + 1 / self.write_bw)
+
+    def hardware_fields(self) -> dict:
+        """The planner's ``Hardware`` fields this measurement sets."""
+        return {"disk_bw": self.bandwidth, "disk_bytes": float(self.free_bytes)}
+
+    def describe(self) -> str:
+        return (f"disk ({self.path}): read {self.read_bw / 1e9:.2f} GB/s, write "
+                f"{self.write_bw / 1e9:.2f} GB/s ({fmt_bytes(self.size)} file, fsynced, page "
+                f"cache dropped), {fmt_bytes(self.free_bytes)} free")
+
+
+def measure_disk(directory: str = "", size: int = 64 << 20, budget: float = 2.0) -> Disk | None:
+    """Write ``size`` bytes (at most; at most a tenth of the free space) in 4 MiB chunks to a
+    temporary file in ``directory`` (the temp dir when empty), fsync, drop its pages from the
+    cache and read it back; stop writing once ``budget`` seconds have passed and time what was
+    written. None when the directory cannot be written (the planner keeps its defaults)."""
+    directory = directory or tempfile.gettempdir()
+    chunk = os.urandom(4 << 20)
+    try:
+        free = shutil.disk_usage(directory).free
+        size = max(len(chunk), min(size, free // 10))
+        with tempfile.NamedTemporaryFile(dir=directory, prefix="shardwise-disk-") as f:
+            t0, written = time.perf_counter(), 0
+            while written < size and time.perf_counter() - t0 < budget:
+                written += f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+            write_s = time.perf_counter() - t0
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            with open(f.name, "rb", buffering=0) as r:
+                while r.read(len(chunk)):
+                    pass
+            read_s = time.perf_counter() - t0
+    except OSError:
+        return None
+    return Disk(directory, written / max(read_s, 1e-6), written / max(write_s, 1e-6), free,
+                written)
 
 
 def _ram_bytes() -> int:
@@ -257,9 +330,10 @@ def calibrate(cfg: Config) -> Calibration:
         whole = measure_compute(cfg, device, torch.get_num_threads())
         per_rank = links.compute or whole
         memory = _ram_bytes()
+    disk = measure_disk(cfg.memory.offload_dir)
     return Calibration(device.type, n, per_rank, whole, links.bw, links.alpha, memory,
                        time.perf_counter() - t0, links.overhead, links.shared_bw, links.source,
-                       links.interconnect)
+                       links.interconnect, disk)
 
 
 
@@ -282,4 +356,5 @@ def batch_of(cfg: Config) -> Batch:
     """The global batch, precision and optimizer of ``cfg`` in the planner's terms."""
     precision = "fp32" if cfg.memory.mixed_precision == "no" else cfg.memory.mixed_precision
     optimizer = "sgd" if cfg.train.optimizer == "sgd" else "adam"
-    return Batch(cfg.train.batch_size, precision=precision, optimizer=optimizer)
+    return Batch(cfg.train.batch_size, precision=precision, optimizer=optimizer,
+                 init=cfg.model.init)

@@ -10,9 +10,10 @@ else from shardwise, so it runs anywhere instantly::
     print(best.layout.describe(), best.time_to_train(300e9) / 86400, "days")
 
 Formulas and sources: docs/planner.md. Modules: ``hardware`` / ``catalogue`` (the machine),
-``model`` (the network's shape), ``layout`` (a layout and a batch), ``memory``, ``comm`` and
-``cost`` (the cost model), ``search`` and ``explain`` (ranking, the strategy guide), ``report``
-and ``cli`` (``shardwise plan``).
+``model`` (the network's shape), ``layout`` (a layout, HSDP's and sequence parallelism's
+axes included, and a batch), ``memory``, ``comm``, ``offload`` (the disk's bytes per step) and
+``cost`` (the cost model), ``search`` and ``explain`` (ranking, the strategy guide, why HSDP or
+sequence parallelism, when only disk offload fits), ``report`` and ``cli`` (``shardwise plan``).
 """
 from shardwise.planner.cost import Estimate, estimate
 from shardwise.planner.errors import PlanError

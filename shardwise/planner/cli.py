@@ -16,7 +16,7 @@ import sys
 
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Hardware
-from shardwise.planner.layout import CONVENTIONS, OPTIMIZERS, PRECISIONS, Batch
+from shardwise.planner.layout import CONVENTIONS, INITS, OPTIMIZERS, PRECISIONS, Batch
 from shardwise.planner.model import ModelSpec, parse_model
 from shardwise.planner.units import parse_bytes, parse_count, parse_rate
 
@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--optimizer", default="adam", help="adam | sgd (with momentum)")
     a("--convention", default="zero-paper", help="how model states are counted: zero-paper "
       "(ZeRO-2 = 2 + 14/N bytes per parameter) | deepspeed (4 + 16/N; docs/planner.md)")
+    a("--init", default="meta", help="how ranks build the model at start-up: meta (each "
+      "builds only what it keeps) | eager (each builds the whole fp32 model first)")
     a("--tie-band", default=str(TIE_BAND), help="layouts within this fraction of the fastest "
       f"step time tie; the simplest of them wins (default {TIE_BAND})")
     a("--format", default="table", help="table | json")
@@ -72,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--intra-bw", default=None, help="override: per-device bandwidth in a node, e.g. 300GB/s")
     a("--inter-bw", default=None, help="override: per-node network bandwidth, e.g. 200gbps")
     a("--host-memory", default=None, help="override: host memory per node, e.g. 2TiB")
+    a("--disk-size", default=None, help="override: disk space per node for offload, e.g. 4TB")
+    a("--disk-bw", default=None, help="override: disk read/write bandwidth per node, e.g. "
+      "3GB/s (shardwise train --strategy auto measures it)")
     return p
 
 
@@ -116,6 +121,10 @@ def _overrides(args: argparse.Namespace) -> dict:
         out["inter_bw"] = parse_rate(args.inter_bw, "inter-bw")
     if args.host_memory:
         out["host_memory_bytes"] = parse_bytes(args.host_memory, "host-memory")
+    if args.disk_size:
+        out["disk_bytes"] = parse_bytes(args.disk_size, "disk-size")
+    if args.disk_bw:
+        out["disk_bw"] = parse_rate(args.disk_bw, "disk-bw")
     return out
 
 
@@ -148,7 +157,8 @@ def _run(argv: list[str]) -> int:
     batch = Batch(_global_batch(args.global_batch, model),
                   precision=_choice(args.precision, "precision", PRECISIONS),
                   optimizer=_choice(args.optimizer, "optimizer", OPTIMIZERS),
-                  convention=_choice(args.convention, "convention", CONVENTIONS))
+                  convention=_choice(args.convention, "convention", CONVENTIONS),
+                  init=_choice(args.init, "init", INITS))
     band = _fraction(args.tie_band, "tie-band")
     micro = _positive_int(args.micro_batch, "micro-batch") if args.micro_batch else None
     tokens = parse_count(args.tokens, "tokens")

@@ -19,6 +19,10 @@ m micro-batches, b micro-batch size):
   faster of a flat ring and the hierarchical algorithm (intra-node reduce-scatter, inter-node
   ring on the shard, intra-node all-gather: ``dp_collective``), for ZeRO's collectives too;
 - ZeRO-1: reduce-scatter of the gradients + all-gather of the updated weights, once per step;
+- HSDP (``dp_replicate`` x ``dp_shard``): the ZeRO collectives over the shard group (inside a
+  node when it fits one, at ``intra_bw``), and after each reduce-scatter an allreduce of its
+  ``g P_dev / dp_shard`` shard over the ``dp_replicate`` groups (across nodes, at each device's
+  share of the node's network): FSDP's hybrid sharding, whose only inter-node traffic that is;
 - ZeRO-2: the reduce-scatter every micro-batch (gradients are not kept whole), the all-gather
   once; ZeRO-3: per micro-batch two all-gathers of the weights (forward, backward) and one
   reduce-scatter: 1.5x DDP's volume (ZeRO paper, section 7), one message per unit (block);
@@ -88,16 +92,38 @@ class DataParallelTraffic:
     reduce-scatter)."""
     after_step: float
     """Run once per step after the optimizer (ZeRO-1/2 all-gather of the updated weights)."""
+    across_replicas: float = 0.0
+    """HSDP: the part of each reduce-scatter's time (``per_microbatch_rs`` or, under ZeRO-1,
+    ``last_backward``) spent averaging the shard across replica groups."""
 
 
 def dp_collective(kind: str, k: float, layout: Layout, hw: Hardware, messages: int) -> float:
     """An allreduce (``kind="ar"``) or reduce-scatter / all-gather (``"rs"``) of ``k`` bytes over
-    the dp group (``dp`` ranks ``tp`` apart), the faster of a flat ring (``Hardware.link``) and
-    the hierarchical algorithm (NCCL's choice across nodes): a reduce-scatter among the group's
+    the ZeRO shard group (``dp_shard`` ranks ``tp`` apart: all of dp without HSDP); see
+    :func:`group_collective`."""
+    return group_collective(kind, k, layout.dp_shard, layout.tp, hw, messages)
+
+
+def replica_allreduce(k: float, layout: Layout, hw: Hardware, messages: int) -> float:
+    """HSDP: the allreduce that averages a reduced gradient shard (``k / dp_shard`` of the
+    ``k`` gradient bytes) across the ``dp_replicate`` replica groups (ranks ``dp_shard * tp``
+    apart: across nodes when a shard group fills a node, at each device's share of the node's
+    network). 0 without HSDP."""
+    if not layout.hsdp:
+        return 0.0
+    return group_collective("ar", k / layout.dp_shard, layout.dp_replicate,
+                            layout.dp_shard * layout.tp, hw, messages)
+
+
+def group_collective(kind: str, k: float, n: int, stride: int, hw: Hardware,
+                     messages: int) -> float:
+    """An allreduce (``kind="ar"``) or reduce-scatter / all-gather (``"rs"``) of ``k`` bytes over
+    ``n`` ranks ``stride`` apart, the faster of a flat ring (``Hardware.link``) and the
+    hierarchical algorithm (NCCL's choice across nodes): a reduce-scatter among the group's
     ``k_n`` members of each node over NVLink / PCIe, the ``1 / k_n`` shard reduced across the
     nodes at the node's network share per device (``inter_bw / devices_per_node``, every device
     of a node sends at once), then (allreduce) an all-gather inside the node again."""
-    n, stride, g = layout.dp, layout.tp, hw.devices_per_node
+    g = hw.devices_per_node
     bw, alpha = hw.link(n, stride)
     if kind == "ar" and hw.allreduce_bw and stride * n <= g:
         bw = hw.allreduce_bw        # the same-host shared-memory allreduce (Hardware.allreduce_bw)
@@ -122,7 +148,9 @@ def dp_traffic(layout: Layout, p_dev: float, hw: Hardware, batch: Batch,
                units: int = 1) -> DataParallelTraffic:
     """Seconds each dp collective of ``layout`` takes, for ``p_dev`` parameters per device.
     ZeRO-3 gathers and reduces per unit (a block): ``units`` messages of ``1 / units`` each,
-    each paying the ring's latency (ZeRO-3's per-unit gather latency)."""
+    each paying the ring's latency (ZeRO-3's per-unit gather latency). HSDP: the collectives
+    run over the shard group, and each reduce-scatter is followed by the replica allreduce of
+    its shard (shardwise's ``hsdp_grad_ar``), counted with it and in ``across_replicas``."""
     n = layout.dp
     per = state_bytes(batch)
     grads, weights = per["gradients"] * p_dev, per["parameters"] * p_dev
@@ -130,15 +158,16 @@ def dp_traffic(layout: Layout, p_dev: float, hw: Hardware, batch: Batch,
     if n <= 1 or layout.num_ps:
         return DataParallelTraffic(0.0, 0.0, 0.0, 0.0)
     messages = max(units, 1) if layout.zero >= 3 else buckets
-    rs = dp_collective("rs", grads, layout, hw, messages)
+    across = replica_allreduce(grads, layout, hw, messages)
+    rs = dp_collective("rs", grads, layout, hw, messages) + across
     ag = dp_collective("rs", weights, layout, hw, messages)
     if layout.zero == 0:
         return DataParallelTraffic(0.0, 0.0, dp_collective("ar", grads, layout, hw, buckets), 0.0)
     if layout.zero == 1:
-        return DataParallelTraffic(0.0, 0.0, rs, ag)
+        return DataParallelTraffic(0.0, 0.0, rs, ag, across)
     if layout.zero == 2:
-        return DataParallelTraffic(rs, 0.0, 0.0, ag)
-    return DataParallelTraffic(rs, 2 * ag, 0.0, 0.0)
+        return DataParallelTraffic(rs, 0.0, 0.0, ag, across)
+    return DataParallelTraffic(rs, 2 * ag, 0.0, 0.0, across)
 
 
 def tp_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch, layers: int) -> float:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.planner import comm, kernels
+from shardwise.planner import comm, kernels, offload
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Batch, Layout, bubble_slots
@@ -69,7 +69,8 @@ class Estimate:
     comm_exposed_s: float
     """The part of ``comm_s`` on the critical path."""
     comm: dict[str, float]
-    """``comm_s`` by kind: tp, p2p, dp, ps."""
+    """``comm_s`` by kind: tp, p2p, dp (the ZeRO / DDP group), replicas (HSDP's allreduce
+    across replica groups), ps."""
     bubble: float
     """Pipeline bubble, the idle fraction of the pipeline time: (pp-1)/(m+pp-1) (GPipe, 1F1B;
     layout.bubble_slots for the others)."""
@@ -85,6 +86,13 @@ class Estimate:
     """Global batch in tokens."""
     mfu: float
     """Model FLOP utilisation: (6P + 12Lsh) x tokens / (step x devices x peak)."""
+    startup: float = 0.0
+    """Bytes one rank builds at start-up (memory.startup_bytes: its own fp32 parameters under
+    meta init, the whole fp32 model under eager)."""
+    startup_host_per_node: float = 0.0
+    """Bytes of a node's host memory the start-up takes (eager init only)."""
+    disk_io_per_node: float = 0.0
+    """Bytes each node's disk reads and writes per step (offload.py; 0 without disk offload)."""
 
     @property
     def memory_total(self) -> float:
@@ -154,15 +162,15 @@ def _optimizer_and_offload(layout, model, hw, batch, p_dev, m) -> tuple[float, f
     memory bandwidth; gradients go down (every micro-batch from ZeRO-2 on, once under ZeRO-1)
     and the updated 16-bit parameters come back; disk reads and writes master and moments.
     Offloaded parameters (ZeRO-3): every unit is fetched for the forward and the backward of
-    every micro-batch (through the host from disk), and written back after the step."""
+    every micro-batch (through the host from disk), and written back after the step. The disk's
+    bytes are offload.py's (what shardwise's store moves), for every rank of the node."""
     per = state_bytes(batch)
-    weights = per["master_weights"] or per["parameters"]
     touched = optimizer_bytes(batch)
     step_bw = hw.optimizer_bw or hw.mem_bw
     if layout.num_ps:
         share = model.params / layout.num_ps
         return share * (2 * 4 + 2 * per["optimizer_states"] + 4) / step_bw, 0.0
-    owned = p_dev / (layout.dp if layout.zero else 1)
+    owned = p_dev / (layout.dp_shard if layout.zero else 1)
     if not layout.offloaded:
         return owned * touched / step_bw, 0.0
     on_node = min(hw.devices_per_node, layout.world)
@@ -173,14 +181,11 @@ def _optimizer_and_offload(layout, model, hw, batch, p_dev, m) -> tuple[float, f
     else:
         grads = (m if layout.zero >= 2 else 1) * per["gradients"] * owned
         off += on_node * owned * touched / hw.host_mem_bw + (grads + params) / hw.host_bw
-        if layout.offload == "disk":
-            off += on_node * owned * 2 * (weights + per["optimizer_states"]) / hw.disk_bw
     if layout.offload_params != "none":
         fetch = 2 * m * params
         back = params if layout.offload == "none" else 0.0   # else counted with the optimizer
         off += (fetch + back) / hw.host_bw
-        if layout.offload_params == "disk":
-            off += on_node * (fetch + params) / hw.disk_bw
+    off += on_node * offload.disk_bytes_per_step(layout, batch, owned, m) / hw.disk_bw
     return device_s, off
 
 
@@ -210,9 +215,10 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
     pipe = _pipeline_seconds(layout, hw, m, idle, slot, t_mb)
     bubble_s = pipe - m * slot
     step = pipe + once + optimizer_s + offload_s + ps
+    across = dp.across_replicas * (1 if layout.zero == 1 else m)
     traffic = {"tp": m * tp, "p2p": m * p2p, "ps": ps,
                "dp": m * (dp.per_microbatch_rs + dp.per_microbatch_ag) + dp.last_backward
-               + dp.after_step}
+               + dp.after_step - across, "replicas": across}
     tokens = batch.global_batch * model.seq_len
     why = _why_not(mem, hw)
     return Estimate(
@@ -222,6 +228,8 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
         comm_exposed_s=m * (tp + p2p + per_mb) + once + ps, comm=traffic,
         bubble=idle / (m + idle), bubble_s=bubble_s,
         optimizer_s=optimizer_s, offload_s=offload_s, step_s=step, tokens_per_step=tokens,
+        startup=mem.startup, startup_host_per_node=mem.startup_host_per_node,
+        disk_io_per_node=_disk_io(layout, batch, p_dev, m, hw),
         mfu=model.flops_per_token() * tokens / (step * layout.world * hw.peak(batch.precision)))
 
 
@@ -261,8 +269,16 @@ def _exposed_per_microbatch(dp: comm.DataParallelTraffic, fwd: float, bwd: float
     return forward + backward
 
 
+def _disk_io(layout: Layout, batch: Batch, p_dev: float, m: int, hw: Hardware) -> float:
+    """Bytes a node's disk moves per step (offload.py), every rank of the node together."""
+    owned = p_dev / (layout.dp_shard if layout.zero else 1)
+    on_node = min(hw.devices_per_node, layout.world)
+    return on_node * offload.disk_bytes_per_step(layout, batch, owned, m)
+
+
 def _why_not(mem, hw: Hardware) -> str:
-    """Empty when device, host and disk memory suffice, else which one runs out, by how much."""
+    """Empty when device, host and disk memory suffice (and, under eager init, the host holds
+    the whole model per rank at start-up), else which one runs out, by how much."""
     if mem.total > hw.usable_memory:
         return (f"memory: needs {fmt_bytes(mem.total)} per device ({mem.role}), "
                 f"has {fmt_bytes(hw.usable_memory)}")
@@ -272,4 +288,8 @@ def _why_not(mem, hw: Hardware) -> str:
     if mem.disk_per_node > hw.disk_bytes:
         return (f"disk: offload needs {fmt_bytes(mem.disk_per_node)} per node, "
                 f"has {fmt_bytes(hw.disk_bytes)}")
+    if mem.startup_host_per_node > hw.host_memory_bytes:
+        return (f"start-up: --init eager builds the whole fp32 model on every rank, "
+                f"{fmt_bytes(mem.startup_host_per_node)} per node, has "
+                f"{fmt_bytes(hw.host_memory_bytes)} (--init meta builds only each rank's part)")
     return ""

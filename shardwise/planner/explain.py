@@ -11,6 +11,11 @@ strategies", translated):
 
 "Fits" means the model trains on one device with micro-batch 1 and activation checkpointing;
 "fast" means at least a 100 Gb/s adapter per node (10 GB/s effective).
+
+Beyond the guide, :func:`axes_note` says why the winner's dp and tp axes are what they are:
+HSDP against sharding over every dp rank (and, on several nodes, the other way round), and
+sequence parallelism against the same layout without it; :func:`disk_only_note` says when
+only disk offload makes the model fit, and what the disk then moves per step.
 """
 from __future__ import annotations
 
@@ -18,8 +23,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shardwise.planner.cost import Estimate
+from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
-from shardwise.planner.units import fmt_seconds
+from shardwise.planner.offload import runtime_flags
+from shardwise.planner.units import fmt_bytes, fmt_seconds
 
 FAST_NETWORK = 10e9
 """Effective bytes/s per node from which the guide's 'fast network' rules apply."""
@@ -136,3 +143,80 @@ def explain(g: Guide, winner: Estimate | None, guide_best: Estimate | None,
         why = guide_closest.why_not if guide_closest else "none of them fits"
         lines.append(f"Better than the guide: its recommendation does not fit ({why}).")
     return "\n".join(lines)
+
+
+def _full_shard_twin(e: Estimate, fitting: list[Estimate]) -> Estimate | None:
+    """The fastest fitting layout at ``e``'s ZeRO stage that shards over all of dp (no HSDP)."""
+    lay = e.layout
+    return next((f for f in fitting if f.layout.zero == lay.zero and not f.layout.hsdp
+                 and (f.layout.tp, f.layout.pp, f.layout.dp) == (lay.tp, lay.pp, lay.dp)), None)
+
+
+def _hsdp_words(e: Estimate, hw: Hardware) -> str:
+    """Where an HSDP layout's traffic goes: the shard group's link, the replicas' allreduce."""
+    lay = e.layout
+    s, r = lay.dp_shard, lay.dp_replicate
+    inside = s * lay.tp <= hw.devices_per_node
+    where = (f", in one node ({hw.interconnect}, {hw.intra_bw / 1e9:.0f} GB/s per device)"
+             if inside else " across nodes")
+    net = f"the {hw.network} network" if hw.nodes > 1 else "the node's links"
+    return (f"its all-gathers and reduce-scatters stay inside each {s}-rank shard group"
+            f"{where}; only the allreduce of 1/{s} of the gradients across the {r} replica "
+            f"groups crosses {net} ({fmt_seconds(e.comm.get('replicas', 0.0))} per step)")
+
+
+def axes_note(winner: Estimate | None, fitting: list[Estimate], hw: Hardware,
+              without_sp: Estimate | None = None, ties: int = 0) -> str:
+    """Why the winner is (or is not) HSDP, and why it uses sequence parallelism; "" when
+    neither question arises. ``fitting``: every fitting estimate, in ranking order, the first
+    ``ties`` tied with the fastest; ``without_sp``: the winner without sequence parallelism."""
+    if winner is None:
+        return ""
+    lay, lines = winner.layout, []
+    if lay.hsdp:
+        twin = _full_shard_twin(winner, fitting)
+        lost = (f"sharding over all {lay.dp} ranks ({twin.layout.describe()}) is "
+                f"{why_lost(twin, winner)}" if twin else
+                f"sharding over all {lay.dp} ranks does not fit")
+        lines.append(f"Why HSDP ({lay.dp_replicate} replica groups x {lay.dp_shard}-rank "
+                     f"shard groups): {_hsdp_words(winner, hw)}; {lost}.")
+    elif hw.nodes > 1:
+        best = next((f for f in fitting if f.layout.hsdp), None)
+        if best is not None and any(best is t for t in fitting[:ties]):
+            extra = best.memory_total - winner.memory_total
+            lines.append(
+                f"Why not HSDP: its best ({best.layout.describe()}) ties "
+                f"({best.step_s / winner.step_s - 1:+.1%} step time) with more moving parts "
+                f"and {fmt_bytes(abs(extra))} {'more' if extra >= 0 else 'less'} per device: "
+                f"{hw.network} hides the winner's traffic as well (exposed communication "
+                f"{fmt_seconds(winner.comm_exposed_s)}, HSDP's "
+                f"{fmt_seconds(best.comm_exposed_s)}).")
+        elif best is not None:
+            lines.append(f"Why not HSDP: its best ({best.layout.describe()}) is "
+                         f"{why_lost(best, winner)}.")
+    if lay.sequence_parallel and without_sp is not None:
+        why = (f"does not fit ({without_sp.why_not})" if not without_sp.fits else
+               f"is {why_lost(without_sp, winner)}; it keeps "
+               f"{fmt_bytes(without_sp.memory_total - winner.memory_total)} more per device")
+        lines.append(f"Why sequence parallelism: it splits the norm, dropout and residual "
+                     f"activations by tp={lay.tp} at the same traffic; without it the layout "
+                     f"{why}.")
+    return "\n".join(lines)
+
+
+def _on_disk(lay: Layout) -> bool:
+    return "disk" in (lay.offload, lay.offload_params)
+
+
+def disk_only_note(winner: Estimate | None, fitting: list[Estimate], hw: Hardware) -> str:
+    """One line when every fitting layout offloads to disk (the state is larger than the host
+    memory): the flags, the state it moves off the device (what cpu offload would have to put
+    in RAM) against the RAM, and the disk's I/O per step at its bandwidth; "" otherwise."""
+    if winner is None or not _on_disk(winner.layout) or not all(_on_disk(f.layout)
+                                                                for f in fitting):
+        return ""
+    state = winner.disk_per_node + winner.host_per_node
+    io = winner.disk_io_per_node
+    return (f"Fits only with {runtime_flags(winner.layout)}: {fmt_bytes(state)} of offloaded "
+            f"state per node vs {fmt_bytes(hw.host_memory_bytes)} RAM; disk I/O per step "
+            f"{fmt_bytes(io)} at {hw.disk_bw / 1e9:.3g} GB/s ~ {fmt_seconds(io / hw.disk_bw)}.")

@@ -205,7 +205,8 @@ class Hardware:
 
 
 _FLAGS = {"memory_bytes": "memory", "peak_flops": "peak-tflops", "devices_per_node":
-          "gpus-per-node", "host_memory_bytes": "host-memory"}
+          "gpus-per-node", "host_memory_bytes": "host-memory", "disk_bytes": "disk-size",
+          "disk_bw": "disk-bw"}
 """The ``shardwise plan`` option that sets a field, where the names differ."""
 
 _POSITIVE = ("memory_bytes", "peak_flops", "intra_bw", "inter_bw", "efficiency", "mem_bw",

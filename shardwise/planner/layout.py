@@ -3,6 +3,9 @@
 The device mesh follows shardwise's order: pp outermost, then dp, tp innermost, so a tp group is
 ``tp`` consecutive ranks (inside a node), a dp group has stride ``tp``, a pp group stride
 ``tp * dp``. A parameter-server layout has ``num_ps`` server ranks and ``dp`` worker ranks.
+HSDP splits the dp axis as ``dp_replicate`` x ``dp_shard``, replicate outermost (shardwise's
+mesh): a shard group is ``dp_shard`` consecutive dp ranks (inside a node when it fits one), a
+replica group has stride ``dp_shard * tp`` (it spans the nodes).
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ class Layout:
     offload_params: str = "none"
     """ZeRO-3 only: where the 16-bit parameter partition lives (none, cpu, disk; ZeRO-Infinity's
     ``offload_param``), fetched to the device for each unit. Any pairing with ``offload`` is
-    allowed. ``shardwise train`` does not implement it (the planner's CLI ranks it)."""
+    allowed; ``shardwise train --offload-params`` runs it where it equals ``offload`` (the
+    planner's CLI ranks every pairing)."""
     act_ckpt: bool = False
     """Full activation recomputation: keep each block's input, rerun the block in backward."""
     selective_recompute: bool = False
@@ -74,7 +78,14 @@ class Layout:
     num_ps: int = 0
     """Parameter-server ranks (0: no parameter server)."""
     sequence_parallel: bool = False
-    """Megatron-3 sequence parallelism: activations outside the tp regions are split by tp too."""
+    """Megatron-3 sequence parallelism (tp > 1): the norm, dropout and residual activations
+    outside the tp regions are split by tp too; the same traffic as tp (an all-gather and a
+    reduce-scatter in place of each allreduce). ``shardwise train --sp``."""
+    dp_replicate: int = 1
+    """HSDP (ZeRO 1-3): replica groups the dp axis splits into, ``dp = dp_replicate x
+    dp_shard``; ZeRO shards over the ``dp_shard`` ranks of a group and each reduced gradient
+    shard is averaged across the groups. 1: shard over all of dp (``shardwise train
+    --dp-replicate R --dp-shard S``)."""
     bucket_bytes: int = 25 * 2**20
     """Gradient bucket size for DDP / ZeRO reductions (torch DDP's default, 25 MiB)."""
 
@@ -107,9 +118,41 @@ class Layout:
                             "yet (its memory model lacks a stage's whole gradients held over "
                             "the micro-batches; shardwise train runs these layouts)",
                             "use zero 1 in a 3d layout, or zero 2/3 with tp = pp = 1")
+        self._check_axes()
         if self.num_ps and (self.tp > 1 or self.pp > 1 or self.zero):
             raise PlanError("num_ps", self.num_ps, "combines only with plain workers",
                             "use tp = pp = 1, zero 0 and no offload with a parameter server")
+
+    def _check_axes(self) -> None:
+        """HSDP's split of dp and sequence parallelism's tp, as shardwise train refuses them."""
+        r = self.dp_replicate
+        if r < 1 or self.dp % r:
+            raise PlanError("dp_replicate", r, f"does not divide dp = {self.dp}",
+                            "give replica groups whose count divides the dp size")
+        if r > 1 and not self.zero:
+            raise PlanError("dp_replicate", r, "needs a ZeRO stage (DDP replicates everything "
+                            "already)", "use HSDP with zero 1, 2 or 3")
+        if r > 1 and (self.tp > 1 or self.pp > 1 or self.num_ps):
+            raise PlanError("dp_replicate", r, "is not in the planner's search with tp, pp or "
+                            "parameter servers yet", "use HSDP with tp = pp = 1")
+        if self.sequence_parallel and self.tp < 2:
+            raise PlanError("sequence_parallel", True, "needs tensor parallelism (it splits "
+                            "activations by tp)", "use sequence parallelism with tp >= 2")
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks one ZeRO shard group spans: dp / dp_replicate (all of dp without HSDP)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def hsdp(self) -> bool:
+        """Whether the dp axis is split into replica groups of shard groups."""
+        return self.dp_replicate > 1
+
+    @property
+    def family_name(self) -> str:
+        """The kind, with ``+hsdp`` where the dp axis is hybrid (a report's 'best of' rows)."""
+        return self.kind + ("+hsdp" if self.hsdp else "")
 
     @property
     def recompute(self) -> str:
@@ -145,12 +188,15 @@ class Layout:
         return math.ceil(global_batch / (self.dp * self.micro_batch))
 
     def describe(self) -> str:
-        """One line, e.g. ``3d dp=8 tp=8 pp=16 zero1 1f1b mb=1 recompute=full``."""
+        """One line, e.g. ``3d dp=8 tp=8 pp=16 zero1 1f1b mb=1 recompute=full``; HSDP as
+        ``zero3 dp=16 hsdp=2x8`` (replicas x shard group)."""
         parts = [self.kind]
         if self.num_ps:
             parts += [f"workers={self.dp}", f"servers={self.num_ps}"]
         else:
             parts += [f"{n}={getattr(self, n)}" for n in ("dp", "tp", "pp") if getattr(self, n) > 1]
+        if self.hsdp:
+            parts.append(f"hsdp={self.dp_replicate}x{self.dp_shard}")
         if self.zero and self.kind not in ("zero1", "zero2", "zero3"):
             parts.append(f"zero{self.zero}")
         if self.offload != "none":
@@ -169,11 +215,14 @@ class Layout:
     def to_dict(self) -> dict:
         """All fields plus ``kind`` and ``world``, for ``--format json``."""
         return {"kind": self.kind, "world": self.world, "recompute": self.recompute,
-                **asdict(self)}
+                "dp_shard": self.dp_shard, **asdict(self)}
 
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adam", "sgd")
+INITS = ("meta", "eager")
+"""How ranks get their weights at start-up (``shardwise train --init``): meta, each rank builds
+only what it keeps, one block at a time; eager, every rank first builds the whole fp32 model."""
 CONVENTIONS = ("zero-paper", "deepspeed")
 """How model states are counted (memory.py): the ZeRO paper's ``2 + 2 + K`` (ZeRO-2 mixed Adam
 ``2 + 14/N``) or DeepSpeed's ``estimate_zero*_model_states_mem_needs`` (ZeRO-2 ``4 + 16/N``)."""
@@ -192,6 +241,9 @@ class Batch:
     """adam (two fp32 moments) or sgd (one fp32 momentum)."""
     convention: str = "zero-paper"
     """How model states are counted: zero-paper or deepspeed (see ``CONVENTIONS``)."""
+    init: str = "meta"
+    """How the ranks build the model at start-up: meta or eager (see ``INITS``; memory.py's
+    start-up peak)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
@@ -201,6 +253,8 @@ class Batch:
             raise PlanError("precision", self.precision, "is unknown", "use bf16, fp16 or fp32")
         if self.optimizer not in OPTIMIZERS:
             raise PlanError("optimizer", self.optimizer, "is unknown", "use adam or sgd")
+        if self.init not in INITS:
+            raise PlanError("init", self.init, "is unknown", "use " + " or ".join(INITS))
         if self.convention not in CONVENTIONS:
             raise PlanError("convention", self.convention, "is unknown",
                             "use " + " or ".join(CONVENTIONS))

@@ -1,6 +1,7 @@
 """Memory per device, by the ledger's categories, for one layout.
 
-Model states (ZeRO paper, Rajbhandari et al. 2020, section 3.1), bytes per parameter, N = dp:
+Model states (ZeRO paper, Rajbhandari et al. 2020, section 3.1), bytes per parameter, N = dp
+(HSDP: N = dp_shard, the shard group; each replica group holds a whole copy of the states):
 
 =====================  ======  =====  ======  =========  ========================
 precision / optimizer  params  grads  master  optimizer  DDP total
@@ -37,6 +38,10 @@ selective recomputation drops it (Korthikanti et al. sec. 4 note the same of Fla
 Measured (shardwise/bench/validate_planner_memory.py): shardwise's GPT at L=8, h=768, s=128,
 b=2 in fp32 saves 97.6 MiB, the formula without the term reads 102 MiB (the 34 counts two
 dropout masks, 2 s b h, that a model without dropout does not keep), with it 132 MiB.
+Start-up (``Memory.startup``, ``Batch.init``): under ``init="meta"`` (shardwise's default) each
+rank materialises only what it keeps, in fp32, one block at a time: its ``4 P_dev`` (``4 P_dev /
+N`` under ZeRO-3), never the whole model. Under ``init="eager"`` every rank first builds the
+whole fp32 model on the host (``4 P``), so a node's host holds ``4 P`` per rank at start-up.
 A pipeline stage holds ``m`` micro-batches in flight under GPipe and ``min(m, pp - i)`` at stage
 i under 1F1B; the first and the last stage are checked and the larger total is reported.
 
@@ -84,6 +89,12 @@ class Memory:
     peak: float = 0.0
     """Bytes on that device at the peak instant of a step (module docstring): persistent states
     plus the larger of forward's end and backward's end; at most ``total``."""
+    startup: float = 0.0
+    """Bytes one rank builds at start-up (module docstring): its own fp32 parameters under
+    meta init, the whole fp32 model under eager init."""
+    startup_host_per_node: float = 0.0
+    """Bytes of each node's host memory the start-up takes: the whole fp32 model per rank
+    under eager init (it is built on the host), 0 under meta init."""
 
     @property
     def total(self) -> float:
@@ -122,7 +133,7 @@ def model_states(p_dev: float, layout: Layout, batch: Batch) -> tuple[dict[str, 
     """(device bytes per state, bytes moved to ``{"cpu": .., "disk": ..}``) for ``p_dev``
     parameters, in ``batch.convention`` (module docstring)."""
     per = state_bytes(batch)
-    n = layout.dp
+    n = layout.dp_shard
     shard = {"parameters": n if layout.zero >= 3 else 1, "gradients": n if layout.zero >= 2 else 1,
              "master_weights": n if layout.zero >= 1 else 1,
              "optimizer_states": n if layout.zero >= 1 else 1}
@@ -290,4 +301,18 @@ def memory(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Memo
     role, device, peak = max(candidates, key=lambda c: sum(c[1].values()))
     on_node = min(hw.devices_per_node, layout.world)
     host, disk = offloaded["cpu"] * on_node, offloaded["disk"] * on_node
-    return Memory(device=device, role=role, host_per_node=host, disk_per_node=disk, peak=peak)
+    startup, startup_host = startup_bytes(model, layout, batch), 0.0
+    if batch.init == "eager":
+        startup_host = startup * on_node
+    return Memory(device=device, role=role, host_per_node=host, disk_per_node=disk, peak=peak,
+                  startup=startup, startup_host_per_node=startup_host)
+
+
+def startup_bytes(model: ModelSpec, layout: Layout, batch: Batch) -> float:
+    """Bytes one rank builds at start-up (module docstring): meta, its own fp32 parameters (the
+    fuller of the first and last stage, its tp slice, its ZeRO-3 shard); eager, the whole fp32
+    model."""
+    if batch.init == "eager" or layout.num_ps:
+        return 4.0 * model.params
+    p_dev = max(stage_params(model, layout.pp, s) for s in {0, layout.pp - 1}) / layout.tp
+    return 4.0 * p_dev / (layout.dp_shard if layout.zero >= 3 else 1)

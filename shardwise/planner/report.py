@@ -28,9 +28,24 @@ def train_line(plan: Ranking, tokens: float) -> str:
             f" on {plan.hardware.world_size} x {plan.hardware.name}.")
 
 
+def startup_line(plan: Ranking) -> str:
+    """What the winner's ranks build at start-up under the plan's init, against the other."""
+    w = plan.winner
+    if w is None:
+        return ""
+    whole = 4.0 * plan.model.params
+    ranks = min(plan.hardware.devices_per_node, w.layout.world)
+    eager = (f"the whole fp32 model on every rank, {fmt_bytes(whole)} per rank "
+             f"({fmt_bytes(whole * ranks)} per node)")
+    if plan.batch.init == "eager":
+        return f"Start-up (--init eager): {eager}; --init meta builds {fmt_bytes(w.startup)}."
+    return (f"Start-up (--init meta): each rank builds only what it keeps, "
+            f"{fmt_bytes(w.startup)} per rank; --init eager would build {eager}.")
+
+
 def _others(plan: Ranking, top: int) -> list[Estimate]:
     """The best layout of each kind that the top rows do not already show."""
-    shown = {e.layout.kind for e in plan.ranked[:top]}
+    shown = {e.layout.family_name for e in plan.ranked[:top]}
     return [e for kind, e in plan.per_kind.items() if kind not in shown]
 
 
@@ -93,12 +108,15 @@ def print_table(plan: Ranking, top: int, tokens: float, out: TextIO | None = Non
     for i, e in enumerate(plan.ranked[:top], 1):
         table.add_row(*_row(e, plan, tokens, str(i)))
     for e in _others(plan, top):
-        table.add_row(*_row(e, plan, tokens, "best " + e.layout.kind))
+        table.add_row(*_row(e, plan, tokens, "best " + e.layout.family_name))
     console.print(table)
     if plan.winner is not None:
         console.print("[bold]memory of the winner[/] (" + plan.winner.memory_role + "): "
                       + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.winner.memory.items()))
     console.print(plan.explanation, highlight=False)
+    for line in (plan.disk_note, startup_line(plan)):
+        if line:
+            console.print(line, highlight=False)
     console.print(f"[bold]{train_line(plan, tokens)}[/]", highlight=False)
     if published_note(plan):
         console.print(published_note(plan), highlight=False)
@@ -116,11 +134,14 @@ def to_json(plan: Ranking, top: int, tokens: float) -> str:
     doc = {
         "model": plan.model.to_dict(), "hardware": plan.hardware.to_dict(),
         "batch": {"global_batch": plan.batch.global_batch, "precision": plan.batch.precision,
-                  "optimizer": plan.batch.optimizer, "convention": plan.batch.convention},
+                  "optimizer": plan.batch.optimizer, "convention": plan.batch.convention,
+                  "init": plan.batch.init},
         "tokens": tokens,
         "guide": {"case": plan.guide.case, "advice": plan.guide.advice,
                   "winner_matches": bool(w and plan.guide.matches(w.layout))},
         "explanation": plan.explanation,
+        "disk_note": plan.disk_note or None,
+        "startup": startup_line(plan) or None,
         "time_to_train_s": w.time_to_train(tokens) if w else None,
         "summary": train_line(plan, tokens),
         "tie_band": plan.band, "ties": plan.ties,

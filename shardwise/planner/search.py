@@ -4,12 +4,16 @@ Valid layouts: ``dp * tp * pp = devices`` (or ``num_ps + workers = devices``); t
 devices of a node and the number of heads (tp stays inside a node); pp at most the number of
 layers (stages balanced to within one layer); ZeRO 1-3 over dp for pure data parallelism,
 ZeRO-1 in 3D layouts (as Megatron-DeepSpeed allows); the optimizer offloaded to cpu or disk
-with ZeRO 1-3; recompute none or full; micro-batches of 1, 2, 4, ... sequences up to a
-replica's share of the global batch; GPipe and 1F1B; 1, 2, 4, ... parameter servers.
+with ZeRO 1-3, and ZeRO-3 with the parameters offloaded to the same place (``shardwise train
+--offload cpu|disk --offload-params``); HSDP for pure data parallelism: every split of dp into
+``dp_replicate`` x ``dp_shard`` replica groups of shard groups (both above 1) at ZeRO 1-3;
+sequence parallelism on and off wherever tp > 1; recompute none or full; micro-batches of 1, 2,
+4, ... sequences up to a replica's share of the global batch; GPipe and 1F1B; 1, 2, 4, ...
+parameter servers.
 
 ``everything=True`` (what ``shardwise plan`` asks for) adds what ``shardwise train --strategy
-auto`` cannot run as planned: selective recompute, ZeRO-3 with the parameters offloaded (to cpu
-or disk, with the optimizer on the device, the cpu or the disk: every combination), and the
+auto`` cannot run as planned: selective recompute, ZeRO-3 with the parameters offloaded
+elsewhere than the optimizer (every combination of the device, the cpu and the disk), and the
 interleaved 1F1B (v = 2, 4 where the stage has the layers) and ZB-H1 schedules.
 
 Layouts that do not fit are dropped; the rest are ranked by step time. Layouts within
@@ -24,7 +28,7 @@ from typing import Iterator
 
 from shardwise.planner.cost import Estimate, estimate
 from shardwise.planner.errors import PlanError
-from shardwise.planner.explain import Guide, explain, guide
+from shardwise.planner.explain import Guide, axes_note, disk_only_note, explain, guide
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Batch, Layout
 from shardwise.planner.model import ModelSpec
@@ -48,13 +52,18 @@ class Ranking:
     band: float
     """The tie band used (``TIE_BAND`` unless given)."""
     per_kind: dict[str, Estimate]
-    """The best layout of every kind; one that does not fit only when none of its kind does."""
+    """The best layout of every kind (``Layout.family_name``: HSDP apart, e.g. ``zero3+hsdp``);
+    one that does not fit only when none of its kind does."""
     guide: Guide
     """The strategy guide's rule for this situation."""
     guide_best: Estimate | None
     """The fastest fitting layout the guide recommends."""
     explanation: str
-    """The verdict in the guide's terms."""
+    """The verdict in the guide's terms, and why the winner's dp and tp axes are what they are
+    (HSDP, sequence parallelism)."""
+    disk_note: str = ""
+    """When only disk offload fits: the flags, the state against the RAM, the disk's I/O per
+    step (explain.disk_only_note); "" otherwise."""
 
     @property
     def winner(self) -> Estimate | None:
@@ -86,9 +95,17 @@ def _zero_options(dp: int, pure_dp: bool, everything: bool) -> list[tuple[int, s
     stages = [0, 1, 2, 3] if dp > 1 else [0]
     out = [(z, "none", "none") for z in stages]
     out += [(z, o, "none") for z in (1, 2, 3) for o in ("cpu", "disk")]
-    if everything:
-        out += [(3, o, p) for o in ("none", "cpu", "disk") for p in ("cpu", "disk")]
-    return out
+    pairs = [(o, p) for o in ("none", "cpu", "disk") for p in ("cpu", "disk")
+             if everything or o == p]
+    return out + [(3, o, p) for o, p in pairs]
+
+
+def _replicas(dp: int, pure_dp: bool, zero: int) -> list[int]:
+    """HSDP's replica-group counts for a dp size: 1 (shard over all of dp), and every divisor
+    that leaves a shard group of at least 2, for pure data parallelism under ZeRO 1-3."""
+    if not pure_dp or not zero:
+        return [1]
+    return [r for r in _divisors(dp) if r == 1 or r < dp]
 
 
 def layouts(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | None = None,
@@ -100,10 +117,12 @@ def layouts(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | Non
             continue
         for pp in (p for p in _divisors(world // tp) if p <= model.layers):
             dp = world // (tp * pp)
-            for zero, offload, params in _zero_options(dp, tp == pp == 1, everything):
-                base = Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=offload,
-                              offload_params=params)
-                yield from _variants(base, model, batch, micro_batch, everything)
+            pure = tp == pp == 1
+            for zero, offload, params in _zero_options(dp, pure, everything):
+                for replicas in _replicas(dp, pure, zero):
+                    base = Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=offload,
+                                  offload_params=params, dp_replicate=replicas)
+                    yield from _variants(base, model, batch, micro_batch, everything)
     for num_ps in _powers_of_two(world // 2):
         yield from _variants(Layout(dp=world - num_ps, num_ps=num_ps), model, batch,
                              micro_batch, everything)
@@ -121,28 +140,36 @@ def _schedules(pp: int, layers: int, everything: bool) -> list[tuple[str, int]]:
 
 def _variants(base: Layout, model: ModelSpec, batch: Batch, micro_batch: int | None,
               everything: bool) -> Iterator[Layout]:
-    """``base`` with each micro-batch size, recomputation choice and schedule."""
+    """``base`` with each micro-batch size, recomputation choice, schedule and (tp > 1)
+    sequence parallelism on and off."""
     share = batch.global_batch // base.dp
     sizes = [micro_batch] if micro_batch else _powers_of_two(share)
     recomputes = [(False, False), (True, False)] + ([(False, True)] if everything else [])
+    sps = (False, True) if base.tp > 1 else (False,)
     for mb in (s for s in sizes if s <= share):
         for full, selective in recomputes:
             for schedule, v in _schedules(base.pp, model.layers, everything):
-                yield replace(base, micro_batch=mb, act_ckpt=full, selective_recompute=selective,
-                              schedule=schedule, virtual_stages=v)
+                for sp in sps:
+                    yield replace(base, micro_batch=mb, act_ckpt=full, schedule=schedule,
+                                  selective_recompute=selective, virtual_stages=v,
+                                  sequence_parallel=sp)
 
 
 def _family(lay: Layout) -> tuple:
-    """Layouts differing only in micro-batch, recomputation or schedule share a family."""
+    """Layouts differing only in micro-batch, recomputation or schedule share a family (HSDP's
+    split and sequence parallelism make families of their own: ``--strategy auto`` may have
+    only one of them to run)."""
     return (lay.kind, lay.dp, lay.tp, lay.pp, lay.zero, lay.offload, lay.offload_params,
-            lay.num_ps)
+            lay.num_ps, lay.dp_replicate, lay.sequence_parallel)
 
 
 def complexity(layout: Layout) -> int:
     """Moving parts, the strategy guide's order of preference (simplest first): sharded states,
-    offload, recomputation, model splits, parameter servers, schedules beyond GPipe / 1F1B."""
+    offload, recomputation, model splits, HSDP's second dp level, sequence parallelism,
+    parameter servers, schedules beyond GPipe / 1F1B."""
     return (layout.zero + (layout.offload != "none") + (layout.offload_params != "none")
             + (layout.recompute != "none") + (layout.tp > 1) + (layout.pp > 1)
+            + layout.hsdp + layout.sequence_parallel
             + bool(layout.num_ps) + (layout.schedule in ("interleaved-1f1b", "zb-h1")))
 
 
@@ -190,7 +217,7 @@ def plan(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | None =
     tie_ids = {id(e) for e in fitting[:tied]}
     per_kind: dict[str, Estimate] = {}
     for e in fitting + sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_total):
-        per_kind.setdefault(e.layout.kind, e)
+        per_kind.setdefault(e.layout.family_name, e)
     nvlink = hw.interconnect == "nvlink" or (hw.interconnect != "pcie" and hw.intra_bw >= 100e9)
     rule = guide(hw.nodes, hw.devices_per_node, fits_one_device(model, hw, batch), nvlink,
                  hw.inter_bw)
@@ -198,7 +225,14 @@ def plan(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | None =
     closest = min((e for e in estimates if rule.matches(e.layout)),
                   key=lambda e: e.memory_total, default=None)
     ranked = tuple(best.values())
-    text = explain(rule, ranked[0] if ranked else None, guide_best, closest)
+    winner = ranked[0] if ranked else None
+    text = explain(rule, winner, guide_best, closest)
+    without_sp = None
+    if winner is not None and winner.layout.sequence_parallel:
+        without_sp = estimate(replace(winner.layout, sequence_parallel=False), model, hw, batch)
+    note = axes_note(winner, fitting, hw, without_sp, tied)
+    text = text + ("\n" + note if note else "")
     return Ranking(model=model, hardware=hw, batch=batch, ranked=ranked,
                 ties=sum(id(e) in tie_ids for e in ranked), band=band, per_kind=per_kind,
-                guide=rule, guide_best=guide_best, explanation=text)
+                guide=rule, guide_best=guide_best, explanation=text,
+                disk_note=disk_only_note(winner, fitting, hw))

@@ -40,6 +40,9 @@ def test_calibration_measures_positive_figures():
         assert hw.devices_per_node == n and 0 < hw.efficiency <= 1
         assert hw.memory_bytes <= cal.memory_bytes
     assert "allreduce over" in cal.describe()
+    # the offload directory's disk, read and written, sets the planner's disk figures
+    assert cal.disk is not None and cal.disk.read_bw > 0 and cal.disk.write_bw > 0
+    assert cal.hardware(1).disk_bw == cal.disk.bandwidth and "disk (" in cal.describe()
     # DDP's allreduce: shared memory on one x86 host whose ranks poll (ranks x threads <= cores:
     # this machine's 2 ranks of 1 thread), timed through the reducer training uses; gloo's
     # elsewhere
@@ -86,6 +89,10 @@ CASES = [
      {"strategy": "3d", "dp": 2, "pp": 2, "zero1_over_dp": True, "num_microbatches": 2}),
     (Layout(dp=2, num_ps=1, micro_batch=4), 3,
      {"strategy": "ps", "num_ps": 1, "num_workers": 2}),
+    (Layout(dp=4, zero=3, dp_replicate=2, micro_batch=2), 4,
+     {"strategy": "zero3", "dp": 4, "dp_replicate": 2, "dp_shard": 2}),
+    (Layout(dp=2, zero=3, offload="cpu", offload_params="cpu", micro_batch=4), 2,
+     {"strategy": "zero3", "offload": "cpu", "offload_params": True, "dp_shard": 0}),
 ]
 
 
@@ -104,6 +111,26 @@ def test_layout_to_config(layout, world, expect):
     for key, value in changes.items():
         sec, name = key.split(".")
         assert getattr(getattr(reparsed, sec), name) == value, key
+
+
+def test_disk_measurement_is_bounded_and_feeds_the_planner(tmp_path):
+    from shardwise.launch.calibrate import measure_disk
+    disk = measure_disk(str(tmp_path), size=4 << 20, budget=1.0)
+    assert disk.size == 4 << 20 and disk.read_bw > 0 and disk.write_bw > 0
+    assert min(disk.read_bw, disk.write_bw) <= disk.bandwidth <= max(disk.read_bw,
+                                                                     disk.write_bw)
+    assert disk.hardware_fields()["disk_bytes"] == disk.free_bytes
+    assert not list(tmp_path.iterdir())                   # the test file is gone
+    assert measure_disk(str(tmp_path / "missing")) is None
+
+
+def test_parameters_offloaded_elsewhere_and_sp_without_the_field_are_not_runnable():
+    cfg = _auto_cfg()
+    split = Layout(dp=2, zero=3, offload="cpu", offload_params="disk")
+    assert "--offload-params" in autoplan.why_not_runnable(split, cfg)
+    if not hasattr(cfg.parallel, "sequence_parallel"):   # until --sp lands
+        sp = Layout(tp=2, sequence_parallel=True)
+        assert "not in this installation" in autoplan.why_not_runnable(sp, cfg)
 
 
 def test_an_interleaved_layout_runs_its_virtual_stages_or_is_not_runnable():

@@ -105,7 +105,8 @@ def test_zero3_pays_latency_per_unit_and_prefetch_hides_the_rest():
 
 def test_search_has_interleaving_zb_h1_selective_and_offload_combinations():
     """``everything=True`` (the CLI) searches interleaved 1F1B, ZB-H1, selective recompute and
-    ZeRO-3 parameter offload; the default (``--strategy auto``) only what shardwise runs."""
+    ZeRO-3 parameter offload; the default (``--strategy auto``) only what shardwise runs:
+    parameters offloaded only with the optimizer (``--offload cpu|disk --offload-params``)."""
     m = PRESETS["7B"]
     hw = Hardware.from_catalogue("a100-80gb", devices_per_node=4)
     every = list(layouts(m, hw, Batch(16), micro_batch=1, everything=True))
@@ -116,7 +117,9 @@ def test_search_has_interleaving_zb_h1_selective_and_offload_combinations():
     combos = {(lay.offload, lay.offload_params) for lay in every if lay.zero == 3}
     assert combos == {(o, p) for o in ("none", "cpu", "disk") for p in ("none", "cpu", "disk")}
     assert all(lay.schedule in ("1f1b", "gpipe") and lay.recompute != "selective"
-               and lay.offload_params == "none" for lay in auto)
+               and lay.offload_params in ("none", lay.offload) for lay in auto)
+    assert {(lay.offload, lay.offload_params) for lay in auto if lay.offload_params != "none"} \
+        == {("cpu", "cpu"), ("disk", "disk")}
     inter = estimate(Layout(pp=4, schedule="interleaved-1f1b", virtual_stages=2), m, hw,
                      Batch(16))
     plain = estimate(Layout(pp=4), m, hw, Batch(16))
