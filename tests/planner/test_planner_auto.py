@@ -168,8 +168,10 @@ def test_choice_follows_the_measured_machine():
 def test_choice_skips_strategies_not_installed(monkeypatch):
     import shardwise.parallel as par
     cfg = _auto_cfg(16)
-    assert "sequence parallelism" in autoplan.why_not_runnable(
-        Layout(tp=2, sequence_parallel=True), cfg)
+    # sequence parallelism is installed (parallel/sequence.py): runnable under tp, and auto
+    # never proposes it with a pipeline, which the runtime refuses
+    assert autoplan.why_not_runnable(Layout(tp=2, sequence_parallel=True), cfg) == ""
+    assert "--pp" in autoplan.why_not_runnable(Layout(tp=2, pp=2, sequence_parallel=True), cfg)
     assert "micro-batch" in autoplan.why_not_runnable(Layout(dp=2, micro_batch=3), cfg)
     monkeypatch.setattr(par, "available", lambda: ["single", "ddp"])
     choice = autoplan.choose(cfg, _fake_calibration(10e9, 1.0), say=lambda *_: None)
