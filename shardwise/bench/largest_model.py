@@ -326,9 +326,7 @@ def fsdp2_rank(side: str, n_layer: int, width: int, out: str) -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(os.path.join(out, f"fsdp2-rank{rank}.json"), "w") as fh:
         json.dump({"steps": steps, "peak_rss": peak}, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return 0          # torchrun tears the world down (no collective is in flight)
 
 
 # -- the search --------------------------------------------------------------------------------
