@@ -29,7 +29,7 @@ import time
 from shardwise.launch import hang
 from shardwise.run import stopping
 from shardwise.config import Config, ConfigError
-from shardwise.parallel.presets import SINGLE_PROCESS
+from shardwise.parallel.presets import SINGLE_PROCESS, has_roles
 
 
 def under_launcher() -> bool:
@@ -66,7 +66,7 @@ def local_world_size(cfg: Config) -> int:
         return 1
     if p.nproc_per_node:
         return p.nproc_per_node
-    if p.strategy == "ps":
+    if has_roles(cfg):
         return p.num_ps + (p.num_workers or 2)
     if p.dp:
         return p.dp * p.tp * p.pp
@@ -82,7 +82,7 @@ def _world_setting(cfg: Config) -> tuple[str, object, str]:
     p = cfg.parallel
     if p.nproc_per_node:
         return "parallel.nproc_per_node", p.nproc_per_node, f"{p.nproc_per_node} processes"
-    if p.strategy == "ps":
+    if has_roles(cfg):
         return ("parallel.num_workers", p.num_workers or 2,
                 f"num_ps + num_workers = {local_world_size(cfg)} processes")
     if p.dp:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from shardwise.config import Config, ConfigError
 
 SINGLE_PROCESS = ("single", "dp")   # strategies that run as one process (no distributed world)
+ROLES = ("ps",)      # strategies whose ranks take roles (servers, workers), not mesh positions
 DATA_MODEL = ("ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d")   # the composed layouts
 PRESETS = {
     "ddp": {"zero_stage": 0, "tp": 1, "pp": 1},
@@ -17,6 +18,12 @@ PRESETS = {
     "pp": {"tp": 1},
     "3d": {},
 }
+
+
+def has_roles(cfg: Config) -> bool:
+    """Whether the run's ranks take roles (the parameter server's servers and workers) instead
+    of positions on the mesh's axes: its world is one flat group, its timeouts its own."""
+    return cfg.parallel.strategy in ROLES
 
 
 def zero_stage(cfg: Config) -> int:
@@ -32,7 +39,7 @@ def zero_stage(cfg: Config) -> int:
 def resolve_dp(cfg: Config, world_size: int) -> int:
     """The data-parallel size: given, or what the world leaves after tp and pp."""
     p = cfg.parallel
-    if p.strategy == "ps":
+    if has_roles(cfg):
         return 1
     if p.dp:
         return p.dp

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from shardwise.comm.collectives import Comm, CommMeter
 from shardwise.config import Config, ConfigError
 from shardwise.mesh import Mesh
+from shardwise.parallel.presets import has_roles
 
 
 @dataclass
@@ -91,7 +92,7 @@ def collective_seconds(cfg: Config) -> float:
     """How long a collective may wait for the other ranks: train.collective_timeout, and for
     the parameter server at least a few ps timeouts, so its own failure handling runs first."""
     seconds = cfg.train.collective_timeout
-    if cfg.parallel.strategy == "ps":
+    if has_roles(cfg):                     # the parameter server
         seconds = max(seconds, 60.0, 4 * cfg.parallel.ps_timeout)
     return seconds
 
@@ -100,7 +101,7 @@ def _dp_shard(cfg: Config, dp: int) -> int:
     """HSDP's shard size over a dp axis of ``dp`` (0: not HSDP), for ZeRO stages 1-3 only."""
     from shardwise.parallel.data.checks import hsdp
     from shardwise.parallel.layout import zero_stage
-    if zero_stage(cfg) < 1 or cfg.parallel.strategy == "ps":
+    if zero_stage(cfg) < 1 or has_roles(cfg):
         return 0
     replicate, shard = hsdp(cfg, dp)
     return shard if replicate > 1 else 0
@@ -134,7 +135,8 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
     if mesh_sizes is None:
         from shardwise.parallel.presets import resolve_dp
         p = cfg.parallel
-        mesh_sizes = (1, world_size, 1) if p.strategy == "ps" else (p.pp, resolve_dp(cfg, world_size), p.tp)
+        mesh_sizes = ((1, world_size, 1) if has_roles(cfg)
+                      else (p.pp, resolve_dp(cfg, world_size), p.tp))
     timeout = timedelta(seconds=collective_seconds(cfg)) if world_size > 1 else None
     mesh = Mesh.build(*mesh_sizes, timeout=timeout, dp_shard=_dp_shard(cfg, mesh_sizes[1]))
     # SHARDWISE_CHECK_DEVICES=1: every collective checks its tensors' devices (debug mode)
