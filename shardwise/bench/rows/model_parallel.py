@@ -136,6 +136,58 @@ def dtensor_tp(rank, world, **_):
     return {"items_per_s": b * cfg.model.block_size / dt}
 
 
+def ours_tp_sp(rank, world, **_):
+    return ours_tokens_per_s(_cfg("tp", tp=world, sequence_parallel=True), world)
+
+
+def dtensor_tp_sp(rank, world, **_):
+    """torch's DTensor tensor parallel with Megatron's sequence parallelism, as torchtitan plans
+    it: layer norms ``SequenceParallel`` (on a 1/T slice of the sequence), attention and MLP
+    entered through ``PrepareModuleInput`` (all-gather of the slices), the projections
+    ``RowwiseParallel(output_layouts=Shard(1))`` (reduce-scatter); the blocks' input cut to this
+    rank's slice, the final norm's output gathered before the (whole) head."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    threads_for(world)
+    cfg = _cfg("tp", tp=world)
+    data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
+    mesh = init_device_mesh("cpu", (world,))
+    c = cfg.model.n_embd
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    gather_kv = PrepareModuleInput(input_layouts=(Shard(1), None),   # attn(x, kv): kv is None
+                                   desired_input_layouts=(Replicate(), None))
+    for block in model.blocks:
+        with torch.no_grad():
+            w = block.attn.qkv.weight
+            w.copy_(w.view(3, world, c // world, c).transpose(0, 1).reshape(3 * c, c))
+        block.attn.n_head //= world
+        parallelize_module(block, mesh, {
+            "ln_1": SequenceParallel(), "attn": gather_kv, "attn.qkv": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln_2": SequenceParallel(), "mlp": gather, "mlp.fc": ColwiseParallel(),
+            "mlp.proj": RowwiseParallel(output_layouts=Shard(1))})
+    parallelize_module(model, mesh, {
+        "ln_f": SequenceParallel(),
+        "head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                   use_local_output=True)})
+    model.blocks[0].register_forward_pre_hook(   # the replicated embeddings: keep this slice
+        lambda m, args: (args[0].chunk(world, dim=1)[rank], *args[1:]))
+    opt = same_optimizer(cfg, model.parameters())
+    b, state = cfg.train.batch_size, {"step": 0}
+
+    def step():
+        x, y = data.batch(state["step"], b)
+        state["step"] += 1
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dt = timed_steps(step, STEPS - 2)
+    return {"items_per_s": b * cfg.model.block_size / dt}
+
+
 def bubble_table(rank, world):
     """Measured bubble (median of 3 steps) vs the formula, p = 2 (dp = 2) and p = 4, m = 1..8."""
     from shardwise.run.api import optimizer_factory, prepare
@@ -194,5 +246,7 @@ ROWS = [
         peer_name="shardwise ZB-H1 over gloo's send / recv"),
     Row("mp-tp-vs-dtensor", ours_tp, dtensor_tp, world=2, goal="ratio >= 1.0",
         peer_name="DTensor ColwiseParallel / RowwiseParallel"),
+    Row("mp-tp-sp-vs-dtensor-sp", ours_tp_sp, dtensor_tp_sp, world=2, goal="ratio >= 1.0",
+        peer_name="DTensor TP with SequenceParallel (torchtitan's plan)"),
     Row("mp-bubble", bubble_table, None, world=4, goal="measured bubble vs (p-1)/(m+p-1)"),
 ]
