@@ -25,7 +25,8 @@ and so does a size whose training state would not fit in the offload folder's fr
 Reported per side: the largest fitting width, its parameters and training-state bytes (16 per
 parameter: fp32 weights, gradients, two Adam moments), the peak of the cgroup's memory (RSS and
 page cache together: what the limit holds), the peak RSS per rank, seconds per step (median of
-steps 2-3), the bytes on disk (offload) and the first failure with its reason. Needs root (or a
+steps 2-3), the peak bytes written to the scratch folder's filesystem (offload files, the final
+weights; sampled every second) and the first failure with its reason. Needs root (or a
 delegated cgroup) to make the cgroups; without, it refuses in one line. The JSON
 (``largest-model.json``) carries the commit, the dirty flag, the date and the machine.
 """
@@ -147,33 +148,29 @@ class MemoryCage:
 
 
 # -- one trial ---------------------------------------------------------------------------------
-def _dir_bytes(folder: str) -> int:
-    total = 0
-    for root, _, files in os.walk(folder):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(root, f)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
 class DiskWatch:
-    """Samples the bytes a folder holds on disk every second; ``peak`` after :meth:`stop`."""
+    """Samples, every second, the bytes used on the filesystem that holds ``folder``, less what
+    was used when it started; ``peak`` after :meth:`stop`. The filesystem, not the folder: the
+    offload store unlinks its files as soon as it has mapped them (memory/offload.py), so no
+    directory walk sees them. Other writers on the same filesystem count too (state it)."""
 
     def __init__(self, folder: str):
         self.folder, self.peak, self._stop = folder, 0, threading.Event()
+        self.base = shutil.disk_usage(folder).used
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._t.start()
 
+    def _used(self) -> int:
+        return max(0, shutil.disk_usage(self.folder).used - self.base)
+
     def _loop(self) -> None:
         while not self._stop.wait(1.0):
-            self.peak = max(self.peak, _dir_bytes(self.folder))
+            self.peak = max(self.peak, self._used())
 
     def stop(self) -> int:
         self._stop.set()
         self._t.join()
-        return max(self.peak, _dir_bytes(self.folder))
+        return max(self.peak, self._used())
 
 
 def _shardwise_cmd(side: str, n_layer: int, width: int, work: str) -> list[str]:
