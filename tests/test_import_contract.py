@@ -36,7 +36,7 @@ ALLOWED = [
      "the test harness's forked gloo world: one barrier so no rank tears down while another talks"),
     ("checkpoint/dcp_io.py", ("checkpoint", "new_group"),
      "the one door to torch.distributed.checkpoint, over a gloo group made for it"),
-    ("bench/", ("init_process_group", "fsdp", "device_mesh", "tensor.parallel", "pipelining",
+    ("bench/", ("init_process_group", "fsdp", "device_mesh", "tensor", "pipelining",
                 "optim", "algorithms._checkpoint"),
      "the PyTorch peers the benchmarks measure shardwise against (FSDP2, DTensor TP, "
      "torch.distributed.pipelining, ZeroRedundancyOptimizer) and a GPU world of their own"),
