@@ -67,8 +67,19 @@ per layer at T = 1) is divided by T too; inside attention and the MLP, tp alread
 A region's whole input lives only from its entry to its last column layer, and again in
 backward from the first re-gather to the last. Weights: as tp.
 
-Not with: pipeline parallelism (stages would pass slices), LoRA adapters, dropout > 0 in the
-blocks (each tp rank would need its own random stream on its slice): each refused in one line.
+Dropout. Inside the blocks every random draw falls on this rank's own part: the slice between
+regions (the blocks' residual dropout) and this rank's heads inside attention. Each block's
+forward therefore draws from a stream of this tp rank's own (Megatron's model-parallel RNG
+tracker, in our words): on entry it takes one number from the process's shared generator (the
+same on every tp rank, and saved and restored with a checkpoint), seeds a fork of the generator
+with it and the tp rank, runs the block and restores the shared generator on exit. So the
+ranks' slices get independent masks (with one shared stream, slice 0 and slice 1 would be
+dropped at the same offsets), the whole-sequence dropout before the first block (replicated,
+then cut) still draws the same mask on every rank, activation checkpointing's recompute
+replays the block's masks (it restores the shared generator before the block), and a resumed
+run draws what an uninterrupted one does. Models without dropout skip the fork.
+
+Not with: pipeline parallelism (stages would pass slices), LoRA adapters: each refused in one line.
 
 Reference: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
 (2022), section 4.2.2; Megatron-LM's ``sequence_parallel``.
@@ -77,6 +88,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import torch.nn as nn
 
 from shardwise.comm.autograd import (gather_for_region, linear_on_gathered, passthrough,
@@ -97,8 +109,12 @@ def apply_sequence_parallel(model: nn.Module, mesh, comm: Comm) -> list[str]:
     modules = dict(model.named_modules())
     regions = [p for p in modules if plan.matches(p, plan.regions)]
     _refuse(model, plan, modules, regions)
-    plan.blocks_of(model)[0].register_forward_pre_hook(
+    blocks = plan.blocks_of(model)
+    blocks[0].register_forward_pre_hook(
         _on_input(lambda x: scatter_to_sequence(x, comm, group)), with_kwargs=True)
+    if _has_dropout(model):
+        for block in blocks:
+            _own_random_stream(block, group.rank)
     summed = []
     for path, mod in modules.items():
         split = plan.split_of(path)
@@ -138,10 +154,38 @@ def _refuse(model: nn.Module, plan: ModelPlan, modules: dict, regions: list[str]
         if split and split.style in ("colwise", "rowwise") and not _inside(path, regions):
             raise ValueError(f"sequence parallelism: the split layer {path} lies outside the "
                              "plan's regions; fix: name its module in ModelPlan.regions")
-        if path.startswith(plan.blocks + ".") and isinstance(mod, nn.Dropout) and mod.p > 0:
-            raise ValueError(f"sequence parallelism runs {path} (dropout {mod.p}) on sequence "
-                             "slices, which needs a random stream per tp rank (not done); fix: "
-                             "dropout 0 (--dropout 0), or drop --sp")
+
+
+DROPOUT_ATTRS = ("dropout", "attention_dropout", "attn_pdrop", "resid_pdrop")
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    """Whether any module drops out: an ``nn.Dropout`` with p > 0, or a float rate passed to a
+    functional call (our attention's ``dropout``, Llama's ``attention_dropout``)."""
+    for mod in model.modules():
+        if isinstance(mod, nn.Dropout) and mod.p > 0:
+            return True
+        if any(isinstance(getattr(mod, a, None), float) and getattr(mod, a) > 0
+               for a in DROPOUT_ATTRS):
+            return True
+    return False
+
+
+def _own_random_stream(block: nn.Module, tp_rank: int) -> None:
+    """Run ``block``'s training forward on a random stream of this tp rank's own (module
+    docstring, "Dropout"): seeded by one draw of the shared generator and the rank."""
+    inner = block.forward
+
+    def forward(*args, **kwargs):
+        if not block.training:
+            return inner(*args, **kwargs)
+        shared = int(torch.randint(0, 2**62, (1,)))
+        device = next(block.parameters()).device
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed((shared + 1_000_003 * (tp_rank + 1)) % (2**63 - 1))
+            return inner(*args, **kwargs)
+    block.forward = forward
 
 
 def _inside(path: str, regions: list[str]) -> bool:

@@ -1,7 +1,7 @@
 """Sequence parallelism's own constraints (``--sp``), checked before launch; pure. It cuts the
 sequence over the tp ranks (parallel/sequence.py), so it needs tp > 1 and a sequence length
-that tp divides; it does not run under a pipeline, with LoRA adapters, or with dropout (each
-tp rank would need its own random stream on its slice)."""
+that tp divides; it does not run under a pipeline or with LoRA adapters. Dropout runs, on a
+random stream per tp rank (parallel/sequence.py, "Dropout")."""
 from __future__ import annotations
 
 from shardwise.config import Config, ConfigError
@@ -30,7 +30,3 @@ def check(cfg: Config, world_size: int) -> None:
     if cfg.memory.lora_rank > 0:
         raise ConfigError("parallel.sequence_parallel", True, "does not split LoRA adapters",
                           "drop --sp or --lora-rank")
-    if m.dropout > 0:
-        raise ConfigError("model.dropout", m.dropout, "--sp runs dropout on sequence slices, "
-                          "which needs a random stream per tp rank (not done)",
-                          "--dropout 0, or drop --sp")
