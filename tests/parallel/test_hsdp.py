@@ -2,7 +2,8 @@
 gradient shards all-reduced (averaged) over the R replica groups.
 
 World 4 as 2 x 2 at ZeRO stages 1-3 equals one process (fp32, tests/reference.py's tolerance),
-also with two parameter groups and clipping that binds (the user's loop); the traffic meter
+also with two parameter groups and clipping that binds (the user's loop), and on Hugging Face
+Llama with every rank building its model from its own seed (stages 1 and 3); the traffic meter
 shows the reduce-scatter inside a shard group ((S-1)/S of the buckets) and an all-reduce of 1/S
 of them across replicas (2(R-1)/R x K/S), asserted against the formulas. Bad sizes are refused
 in one line before launch.
@@ -108,6 +109,71 @@ def test_hsdp_user_loop_with_groups_and_clipping(stage):
         assert all(n > 0.05 for n in norms)              # the clipping bound every step
         for name, want in ref_params.items():
             torch.testing.assert_close(params[name], want, rtol=RTOL, atol=ATOL)
+
+
+LLAMA_SEED, LLAMA_LR, LLAMA_CLIP = 100, 1e-3, 0.5
+
+
+def _llama_loop(rank, n, stages):
+    """Hugging Face Llama under HSDP 2 x 2 at each ZeRO stage: each rank
+    builds its model from its own seed (rank 0's weights are the run's), two parameter groups,
+    the user's loss on ``engine(x)`` (a dict output), clipping at 0.5 (it binds)."""
+    import torch.nn.functional as F
+
+    import shardwise
+    from models_hf import tiny_llama, token_batches, two_groups
+
+    def loss_of(out, y):
+        return F.cross_entropy(out["logits"].flatten(0, 1), y.flatten())
+    out = {}
+    for stage in stages:
+        cfg = _cfg(f"zero{stage}", dp_shard=2)
+        engine = shardwise.prepare(tiny_llama(LLAMA_SEED + rank), two_groups(LLAMA_LR), cfg,
+                                   loss_fn=loss_of)
+        losses, norms = [], []
+        for x, y in token_batches(4, 8):
+            xs, ys = engine.shard(x, y)
+            loss = engine.loss_fn(engine(xs), ys)
+            engine.backward(loss)
+            norms.append(float(engine.clip_grad_norm_(LLAMA_CLIP)))
+            engine.step()
+            losses.append(engine.strategy.reduce_mean(loss.detach()))
+        out[stage] = dict(losses=losses, norms=norms, params=engine.full_state_dict(),
+                          replicas=engine.strategy.replicas.size)
+        engine.close()
+    return out
+
+
+def _llama_one_process() -> dict:
+    """The reference: rank 0's model, the whole batch, torch's own loop and clipping."""
+    import torch.nn.functional as F
+    from models_hf import tiny_llama, token_batches, two_groups
+    model = tiny_llama(LLAMA_SEED)
+    opt = two_groups(LLAMA_LR)(list(model.parameters()))
+    losses, norms = [], []
+    for x, y in token_batches(4, 8):
+        loss = F.cross_entropy(model(x)["logits"].flatten(0, 1), y.flatten())
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), LLAMA_CLIP)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return dict(losses=losses, norms=norms,
+                params={k: p.detach().clone() for k, p in model.named_parameters()})
+
+
+def test_hsdp_2x2_on_hf_llama_seeded_per_rank_equals_one_process():
+    ref = _llama_one_process()
+    got = run_world(_llama_loop, 4, [1, 3], timeout=240)[0]
+    for stage in (1, 3):
+        r = got[stage]
+        assert r["replicas"] == 2, stage
+        assert all(n > LLAMA_CLIP for n in ref["norms"])         # the clipping binds
+        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5), stage
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5), stage
+        for name, want in ref["params"].items():
+            torch.testing.assert_close(r["params"][name], want, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"zero{stage} {name}: {m}")
 
 
 @pytest.mark.parametrize("extra, says", [

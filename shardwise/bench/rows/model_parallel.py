@@ -2,7 +2,8 @@
 interleaved 1F1B against ScheduleInterleaved1F1B with 2 chunks per rank, ZB-H1 against
 ScheduleInterleavedZeroBubble with one stage per rank: torch's split-backward schedule on the
 same single-chunk pipeline, which is what ZB-H1 is; ScheduleZBVZeroBubble needs two chunks),
-shardwise's tensor parallel against DTensor tensor parallel, and the measured bubble against
+shardwise's tensor parallel (and with --sp, also at a long sequence, where activations show in the
+memory) against DTensor tensor parallel, and the measured bubble against
 (p-1)/(m+p-1) for p = 2, 4 and m = 1, 2, 4, 8 (an ours-only row whose ``extra`` is the table).
 Same benchmark GPT (shardwise.bench.harness.gpt_bench_config), same world (2), same run."""
 from __future__ import annotations
@@ -21,9 +22,14 @@ STEPS = 12
 MICRO = 4
 
 
-def _cfg(strategy: str, **parallel):
-    return gpt_bench_config(strategy, parallel=parallel, train={"steps": STEPS},
-                            logging={"schedule_png": "off"})
+LONG = 2048       # the long-sequence rows' length (batch 2): activations outweigh import torch
+
+
+def _cfg(strategy: str, seq: int | None = None, **parallel):
+    """The benchmark GPT; ``seq``: at that sequence length, batch 2 (the long-sequence rows)."""
+    long = {"model": {"block_size": seq}, "train": {"steps": STEPS, "batch_size": 2}} if seq \
+        else {"train": {"steps": STEPS}}
+    return gpt_bench_config(strategy, parallel=parallel, logging={"schedule_png": "off"}, **long)
 
 
 def ours_pp(rank, world, schedule):
@@ -83,8 +89,8 @@ def _timed_pipeline(pipe, opt, data, cfg, rank: int) -> dict:
     return {"items_per_s": b * cfg.model.block_size / dt}
 
 
-def ours_tp(rank, world, **_):
-    return ours_tokens_per_s(_cfg("tp", tp=world), world)
+def ours_tp(rank, world, seq=None, **_):
+    return ours_tokens_per_s(_cfg("tp", seq, tp=world), world)
 
 
 def torch_pipelining(rank, world, schedule):
@@ -136,11 +142,11 @@ def dtensor_tp(rank, world, **_):
     return {"items_per_s": b * cfg.model.block_size / dt}
 
 
-def ours_tp_sp(rank, world, **_):
-    return ours_tokens_per_s(_cfg("tp", tp=world, sequence_parallel=True), world)
+def ours_tp_sp(rank, world, seq=None, **_):
+    return ours_tokens_per_s(_cfg("tp", seq, tp=world, sequence_parallel=True), world)
 
 
-def dtensor_tp_sp(rank, world, **_):
+def dtensor_tp_sp(rank, world, seq=None, **_):
     """torch's DTensor tensor parallel with Megatron's sequence parallelism, as torchtitan plans
     it: layer norms ``SequenceParallel`` (on a 1/T slice of the sequence), attention and MLP
     entered through ``PrepareModuleInput`` (all-gather of the slices), the projections
@@ -152,7 +158,7 @@ def dtensor_tp_sp(rank, world, **_):
                                                    RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
     threads_for(world)
-    cfg = _cfg("tp", tp=world)
+    cfg = _cfg("tp", seq, tp=world)
     data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
     mesh = init_device_mesh("cpu", (world,))
     c = cfg.model.n_embd
@@ -248,5 +254,11 @@ ROWS = [
         peer_name="DTensor ColwiseParallel / RowwiseParallel"),
     Row("mp-tp-sp-vs-dtensor-sp", ours_tp_sp, dtensor_tp_sp, world=2, goal="ratio >= 1.0",
         peer_name="DTensor TP with SequenceParallel (torchtitan's plan)"),
+    Row("mp-tp-sp-long-vs-dtensor-sp", ours_tp_sp, dtensor_tp_sp, world=2,
+        args={"seq": LONG}, goal="ratio >= 1.0, RSS ratio <= 1.0",
+        peer_name=f"DTensor TP with SequenceParallel, sequence {LONG}, batch 2"),
+    Row("mp-tp-sp-vs-tp-long", ours_tp_sp, ours_tp, world=2, args={"seq": LONG},
+        goal="RSS ratio < 1.0 (sp's saving at a long sequence), its price in throughput",
+        peer_name=f"shardwise tp without --sp, sequence {LONG}, batch 2"),
     Row("mp-bubble", bubble_table, None, world=4, goal="measured bubble vs (p-1)/(m+p-1)"),
 ]
