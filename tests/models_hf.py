@@ -78,6 +78,24 @@ def padded_batches(steps: int, seed: int = 3, labels: bool = True) -> list[dict]
     return out
 
 
+def one_process_loop(model: nn.Module, lr: float, max_norm: float, steps: int, batch: int) -> dict:
+    """The reference a layout must equal: ``model`` on the whole batch of token_batches, AdamW
+    with two_groups, the next-token loss on its logits, torch's own clipping at ``max_norm``."""
+    opt = two_groups(lr)(list(model.parameters()))
+    losses, norms = [], []
+    for x, y in token_batches(steps, batch):
+        out = model(x)
+        logits = out if torch.is_tensor(out) else out["logits"]
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return dict(losses=losses, norms=norms,
+                params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
 def two_groups(lr: float = 1e-2):
     """An AdamW factory with two parameter groups: matrices decay (0.1), vectors do not."""
     def make(params):

@@ -144,26 +144,9 @@ def _llama_loop(rank, n, stages):
     return out
 
 
-def _llama_one_process() -> dict:
-    """The reference: rank 0's model, the whole batch, torch's own loop and clipping."""
-    import torch.nn.functional as F
-    from models_hf import tiny_llama, token_batches, two_groups
-    model = tiny_llama(LLAMA_SEED)
-    opt = two_groups(LLAMA_LR)(list(model.parameters()))
-    losses, norms = [], []
-    for x, y in token_batches(4, 8):
-        loss = F.cross_entropy(model(x)["logits"].flatten(0, 1), y.flatten())
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), LLAMA_CLIP)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return dict(losses=losses, norms=norms,
-                params={k: p.detach().clone() for k, p in model.named_parameters()})
-
-
 def test_hsdp_2x2_on_hf_llama_seeded_per_rank_equals_one_process():
-    ref = _llama_one_process()
+    from models_hf import one_process_loop, tiny_llama
+    ref = one_process_loop(tiny_llama(LLAMA_SEED), LLAMA_LR, LLAMA_CLIP, 4, 8)   # rank 0's model
     got = run_world(_llama_loop, 4, [1, 3], timeout=240)[0]
     for stage in (1, 3):
         r = got[stage]

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from harness import assert_close_runs, run_world
-from models_hf import SEQ, VOCAB, tiny_gpt2, tiny_llama, token_batches, two_groups
+from models_hf import (SEQ, VOCAB, one_process_loop, tiny_gpt2, tiny_llama, token_batches,
+                       two_groups)
 from reference import ATOL, RTOL, single_run, tiny_config
 
 from shardwise import cli
@@ -56,18 +57,7 @@ def _cfg(strategy="tp", ckpt=False, **parallel):
 
 def _single(family):
     """Rank 0's initial weights, the whole batch, torch's own clipping."""
-    model = BUILD[family](SEED)
-    opt = two_groups(LR)(list(model.parameters()))
-    losses, norms = [], []
-    for x, y in token_batches(STEPS, BATCH):
-        loss = user_loss(model(x), y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return dict(losses=losses, norms=norms,
-                params={n: p.detach().clone() for n, p in model.named_parameters()})
+    return one_process_loop(BUILD[family](SEED), LR, MAX_NORM, STEPS, BATCH)
 
 
 def _loop(rank, tag, family, cfg):
