@@ -97,12 +97,34 @@ def run_world(fn, n: int, *args, timeout: float = 120.0, env: dict | None = None
 
 
 def assert_close_runs(losses_a, losses_b, params_a: dict, params_b: dict, rtol: float,
-                      atol: float = 0.0, why: str = "") -> None:
-    """Same loss at every step and the same parameters, within rtol (``why`` says why that rtol)."""
+                      atol: float = 0.0, why: str = "", strays: bool = False) -> None:
+    """Same loss at every step and the same parameters, within rtol (``why`` says why that rtol).
+
+    ``strays=True`` admits, per tensor, at most one element in a thousand (at least one) beyond
+    the tolerance, none of them beyond 1e-3: Adam divides each element's gradient by its own RMS,
+    so an element whose true gradient is near zero turns summation-order noise (which differs
+    between CPUs: AVX2 and AVX-512 kernels add in another order) into a step of up to lr. A real
+    error (a wrong shard, a missing average) moves most of a tensor's elements."""
     assert len(losses_a) == len(losses_b), f"{len(losses_a)} vs {len(losses_b)} steps"
     for step, (a, b) in enumerate(zip(losses_a, losses_b)):
         assert abs(a - b) <= atol + rtol * abs(b), f"step {step}: loss {a} vs {b} ({why})"
     assert params_a.keys() == params_b.keys(), f"parameter names differ: {set(params_a) ^ set(params_b)}"
     for name in params_a:
-        torch.testing.assert_close(params_a[name], params_b[name], rtol=rtol, atol=atol,
-                                   msg=lambda m: f"{name}: {m} ({why})")
+        if strays:
+            assert_close_but_for_strays(params_a[name], params_b[name], rtol, atol, f"{name} ({why})")
+        else:
+            torch.testing.assert_close(params_a[name], params_b[name], rtol=rtol, atol=atol,
+                                       msg=lambda m: f"{name}: {m} ({why})")
+
+
+def assert_close_but_for_strays(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float,
+                                what: str = "", bound: float = 1e-3) -> None:
+    """``got`` equals ``want`` within rtol/atol but for at most max(1, numel // 1000) elements,
+    each within ``bound`` (see assert_close_runs' ``strays``)."""
+    diff = (got - want).abs()
+    off = diff > atol + rtol * want.abs()
+    allowed = max(1, want.numel() // 1000)
+    n = int(off.sum())
+    assert n <= allowed, f"{what}: {n} of {want.numel()} elements beyond rtol {rtol} / atol " \
+                         f"{atol} (at most {allowed} may stray); largest difference {float(diff.max()):.3g}"
+    assert float(diff.max()) <= bound, f"{what}: an element off by {float(diff.max()):.3g} > {bound}"

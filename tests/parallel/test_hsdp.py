@@ -86,7 +86,8 @@ def test_hsdp_2x2_equals_one_process(world4, stage):
     assert (r["shard"], r["replicas"]) == (2, 2)
     ref = single_run(_cfg(f"zero{stage}"))
     assert_close_runs(r["losses"], ref[0], r["params"], ref[1], RTOL, ATOL,
-                      "HSDP: the same average of the same gradients, summed in another order")
+                      "HSDP: the same average of the same gradients, summed in another order",
+                      strays=True)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -119,19 +119,23 @@ def test_layout_equals_one_process(world, name):
 
 
 def _assert_close_but_for_flipped_codes(got, losses, params):
-    """8-bit moments: a gradient summed in another order (last bits) can move a moment across a
-    quantisation boundary, so that element's update differs by one code step (seen on one AMD
-    host: 1 of 3,072 elements off by 2.7e-4 after 4 steps). Real errors (a wrong shard, a missing
-    average) move most elements. So: the losses within fp32 reordering, and per tensor at most
-    0.1% of the elements (and at most 2) beyond 1e-5, none beyond 1e-3."""
+    """8-bit moments are quantised per block against the block's largest value: a gradient summed
+    in another order (last bits) can move a moment across a code boundary, that element's update
+    differs by a code step, and the next forward spreads it to the gradients of the next steps.
+    How far it spreads depends on the CPU's kernels: on an AVX2 host 1 of 3,072 elements was off
+    (2.7e-4 after 4 steps); on an AVX-512 host 261 of 3,072 (8.5%, qkv), at most 1.5e-3 (tok_emb).
+    Real errors move elements by steps of lr (a wrong shard, a skipped update: 1e-2 a step here).
+    So: the losses within fp32 reordering, and per tensor at most a quarter of the elements beyond
+    1e-5, none beyond half a step (lr / 2)."""
+    bound = RUNS["adam8-ddp"].train.lr / 2
     for step, (a, b) in enumerate(zip(got["losses"], losses)):
         assert abs(a - b) <= 1e-5 + 1e-5 * abs(b), f"step {step}: loss {a} vs {b}"
     assert got["params"].keys() == params.keys()
     for name, b in params.items():
         diff = (got["params"][name] - b).abs()
         off = int((diff > 1e-5 + 1e-5 * b.abs()).sum())
-        assert off <= max(2, b.numel() // 1000), f"{name}: {off} of {b.numel()} elements differ"
-        assert float(diff.max()) <= 1e-3, f"{name}: off by {float(diff.max())}"
+        assert off <= b.numel() // 4, f"{name}: {off} of {b.numel()} elements differ"
+        assert float(diff.max()) <= bound, f"{name}: off by {float(diff.max())} > {bound}"
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
