@@ -185,8 +185,10 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_star
 
 
 # -- sequence parallelism (Korthikanti et al., 2022): the residual stream split on the sequence --
-# The activations are batch-first, (B, S, ...): the sequence is dimension 1. Each op moves it to
-# the front for the collective (whose pieces are contiguous runs of dimension 0) and back.
+# The activations are batch-first, (B, S, ...): the sequence is dimension 1. A collective's
+# pieces are contiguous runs of dimension 0, so each op makes one copy: the gather receives the
+# ranks' (B, S/N, ...) slices as (N, B, S/N, ...) and permutes once into (B, S, ...); the
+# reduce-scatter permutes (B, S, ...) once into (N, B, S/N, ...) and receives its slice in place.
 def _check_sequence(s: int, group: Group) -> None:
     if s % group.size:
         raise ValueError(f"sequence parallelism splits the sequence over the {group.size} tp "
@@ -196,21 +198,23 @@ def _check_sequence(s: int, group: Group) -> None:
 
 def _gather_sequence(x: torch.Tensor, comm: Comm, group: Group, name: str) -> torch.Tensor:
     """(B, S/N, ...) slices of every rank -> (B, S, ...) in rank order (no autograd)."""
-    front = x.transpose(0, 1).contiguous()                          # (S/N, B, ...)
-    out = torch.empty((group.size * front.shape[0], *front.shape[1:]), dtype=x.dtype,
-                      device=x.device)
-    comm.all_gather(out, front, group, name=name)                   # (S, B, ...)
-    return out.transpose(0, 1).contiguous()
+    x = x.contiguous()
+    b, n = x.shape[0], x.shape[1]
+    out = torch.empty((group.size * b, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, x, group, name=name)                       # (N*B, S/N, ...)
+    out = out.view(group.size, *x.shape)                            # (N, B, S/N, ...)
+    return out.transpose(0, 1).reshape(b, group.size * n, *x.shape[2:])   # the one copy
 
 
 def _reduce_scatter_sequence(x: torch.Tensor, comm: Comm, group: Group, name: str) -> torch.Tensor:
     """(B, S, ...) partial sums of every rank -> this rank's (B, S/N, ...) slice of their sum."""
     _check_sequence(x.shape[1], group)
-    front = x.transpose(0, 1).contiguous()                          # (S, B, ...)
-    out = torch.empty((front.shape[0] // group.size, *front.shape[1:]), dtype=x.dtype,
-                      device=x.device)
-    comm.reduce_scatter(out, front, group, name=name)               # (S/N, B, ...)
-    return out.transpose(0, 1).contiguous()
+    b, n = x.shape[0], x.shape[1] // group.size
+    front = x.reshape(b, group.size, n, *x.shape[2:]).transpose(0, 1)          # (N, B, S/N, ...)
+    front = front.reshape(group.size * b, n, *x.shape[2:])         # the one copy
+    out = torch.empty((b, n, *x.shape[2:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, front, group, name=name)               # this rank's (B, S/N, ...)
+    return out
 
 
 def _my_slice(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -303,14 +307,27 @@ class Regather:
     """The whole input of a sequence-parallel region (all-gathered from this rank's slice), as
     its column-parallel layers' backward needs it: gathered again from the slice once, by the
     first of them, and dropped after the last (Megatron's trick: the region keeps its slice,
-    not the whole sequence, for backward). ``users``: layers whose backward still needs it."""
+    not the whole sequence, for backward). ``users``: layers whose backward still needs it.
+    ``start`` launches the gather without waiting, so the first layer's input-gradient matmul
+    runs while it travels (Megatron overlaps the same gather with the same matmul)."""
 
     def __init__(self, comm: Comm, group: Group):
-        self.comm, self.group, self.users, self.whole = comm, group, 0, None
+        self.comm, self.group, self.users, self.whole, self.pending = comm, group, 0, None, None
+
+    def start(self, s: torch.Tensor) -> None:
+        if self.whole is None and self.pending is None:
+            s = s.contiguous()
+            buf = torch.empty((self.group.size * s.shape[0], *s.shape[1:]), dtype=s.dtype,
+                              device=s.device)
+            work = self.comm.all_gather(buf, s, self.group, async_op=True, name="sp_ag")
+            self.pending = (work, buf.view(self.group.size, *s.shape))
 
     def take(self, s: torch.Tensor) -> torch.Tensor:
-        if self.whole is None:
-            self.whole = _gather_sequence(s, self.comm, self.group, "sp_ag")      # (B, S, in)
+        self.start(s)
+        if self.pending is not None:
+            (work, buf), self.pending = self.pending, None
+            work.wait()                                                    # (N, B, S/N, in)
+            self.whole = buf.transpose(0, 1).reshape(buf.shape[1], -1, *buf.shape[3:])
         whole, self.users = self.whole, self.users - 1
         if self.users <= 0:
             self.whole = None
@@ -319,7 +336,8 @@ class Regather:
 
 class _LinearOnGathered(torch.autograd.Function):
     """y = x W^T + b on a gathered whole input x whose slice s is saved instead of x; the
-    weight's gradient re-gathers x from s (Regather); x's gradient flows to the gather."""
+    weight's gradient re-gathers x from s (Regather, launched before x's gradient is computed,
+    so that the matmul hides it); x's gradient flows to the gather."""
 
     @staticmethod
     def forward(ctx, x, s, w, b, regather: Regather):
@@ -332,6 +350,8 @@ class _LinearOnGathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         s, w = ctx.saved_tensors
+        if ctx.needs_input_grad[2]:
+            ctx.regather.start(s)
         grad_x = grad.matmul(w.to(grad.dtype)) if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         flat = grad.reshape(-1, grad.shape[-1])                            # (B*S, out)
