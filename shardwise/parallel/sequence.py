@@ -55,7 +55,8 @@ volume; "a unit" below):
 Against tp's 8L + 2 units (4L + 1 all-reduces: the layers' f and g, the head's f; the
 embedding's all-reduce is common to both), sp moves 10L + 4 for our GPT: the forward and the
 gradient path move exactly tp's volume, plus 2L + 1 backward re-gathers (Megatron's price for
-keeping only slices, section 4.2.2 of the paper, overlapped with compute there) and the first
+keeping only slices, section 4.2.2 of the paper; as there, each is launched before the
+input-gradient matmul, which hides it: comm/autograd.Regather) and the first
 block's backward gather (the embedding keeps its all-reduce: a reduce-scatter there would leave
 the position embedding and the models' mask and position code, which read the embedding's
 length, on a slice).
