@@ -127,6 +127,8 @@ class Mesh:
     pp_group = property(lambda self: self.group("pp"))
     dp_group = property(lambda self: self.group("dp"))
     tp_group = property(lambda self: self.group("tp"))
+    cp = property(lambda self: self.size("cp"))
+    cp_group = property(lambda self: self.group("cp"))
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -160,12 +162,28 @@ class Mesh:
         """The mesh of a single process: every axis is the solo group."""
         return Mesh(tuple((a, 1) for a in AXES), 0, Group.solo(), ())
 
+    @property
+    def grad_group(self) -> Group:
+        """The ranks that hold the same parameters and average their gradients: dp, and with
+        context parallelism dp x cp (each cp rank's gradient covers its part of every
+        sequence; the average over both is the whole batch's: parallel/context.py)."""
+        return self.group("dp_cp") if "dp_cp" in dict(self.flattened) else self.dp_group
+
     @staticmethod
-    def build(pp: int = 1, dp: int = 1, tp: int = 1, timeout=None, dp_shard: int = 0) -> "Mesh":
+    def build(pp: int = 1, dp: int = 1, tp: int = 1, timeout=None, dp_shard: int = 0,
+              cp: int = 1) -> "Mesh":
         """The classic pp x dp x tp mesh (tp innermost) on the initialised process group. With
         ``0 < dp_shard < dp`` (HSDP) the dp axis is two, dp_replicate x dp_shard (shard inner:
         a shard group is dp_shard consecutive dp ranks, on one node when a node holds them;
-        a replica group spans the shard groups), and ``dp`` is their flattened product."""
+        a replica group spans the shard groups), and ``dp`` is their flattened product. With
+        ``cp > 1`` (context parallelism) a cp axis sits between dp and tp (pp, dp, cp, tp: a
+        cp group is cp neighbours once tp's are placed), and ``dp_cp`` flattens dp x cp for
+        the gradient sync (``grad_group``)."""
+        if cp > 1:
+            if 0 < dp_shard < dp:
+                raise ValueError("context parallelism with HSDP is not built; use one of them")
+            mesh = Mesh.from_sizes({"pp": pp, "dp": dp, "cp": cp, "tp": tp}, timeout)
+            return mesh.flatten("dp_cp", ("dp", "cp"), timeout)
         if 0 < dp_shard < dp:
             sizes = {"pp": pp, "dp_replicate": dp // dp_shard, "dp_shard": dp_shard, "tp": tp}
             return Mesh.from_sizes(sizes, timeout).flatten("dp", ("dp_replicate", "dp_shard"),

@@ -39,7 +39,8 @@ def run(cfg: Config) -> tuple[list[float], dict]:
 
 def single_run(cfg: Config) -> tuple[list[float], dict]:
     """The same config under the single strategy, in this process."""
-    return run(replace(cfg, parallel=replace(cfg.parallel, strategy="single", dp=0, tp=1, pp=1)))
+    return run(replace(cfg, parallel=replace(cfg.parallel, strategy="single", dp=0, tp=1, pp=1,
+                                             cp=1, cp_impl="ring")))
 
 # Tolerances for fp32 equivalence under Adam, and why:
 # RTOL 1e-5: strategies sum the same gradients in another order (ranks, buckets, replicas), which

@@ -448,6 +448,24 @@ class Comm:
             h_out, h_in, red, group=group.pg, async_op=a), vol, vol, async_op, _chain(backs),
             name, out.device)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: Group, async_op=False,
+                   name: str | None = None) -> Work:
+        """Member j's ``out`` piece i (dimension 0 cut into N equal pieces) receives member i's
+        ``inp`` piece j (DeepSpeed-Ulysses' exchange; torch's all_to_all_single)."""
+        self._check(name or "all_to_all", group, out, inp)
+        n = group.size
+        if n == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp.reshape(out.shape))
+            return DONE
+        vol = (n - 1) / n * _nbytes(inp)
+        backs = []
+        h_out, h_in = self._host(group, out, False, True, backs), self._host(group, inp, True,
+                                                                              False, backs)
+        return self._run("all_to_all", group, lambda a: dist.all_to_all_single(
+            h_out, h_in, group=group.pg, async_op=a), vol, vol, async_op, _chain(backs), name,
+            out.device)
+
     def send(self, t: torch.Tensor, dst: int, group: Group, name: str | None = None) -> None:
         """Blocking send of ``t`` to group member ``dst``."""
         self._check(name or "send", group, t)

@@ -101,6 +101,11 @@ class ParallelConfig:
                                  "1/tp slice of the sequence (Megatron-LM sequence parallelism; "
                                  "the sequence length must divide by tp)", flag="sp")
     pp: int = _f(1, "pipeline-parallel size (outermost mesh axis)")
+    cp: int = _f(1, "context-parallel size: every sequence cut over this many ranks (ring "
+                 "attention or Ulysses, --cp-impl); a mesh axis between dp and tp")
+    cp_impl: str = _f("ring", "context parallelism's attention: ring = keys and values passed "
+                      "round the cp ranks (p2p); ulysses = all-to-all from sequence- to "
+                      "head-split and back (heads must divide by cp)", ("ring", "ulysses"))
     allreduce: str = _f("auto", "gradient allreduce: native = the backend's own; ring = "
                         "shardwise's ring; shm = through shared memory between the ranks of one "
                         "CPU host (about half gloo's time); auto = shm where every rank of the "

@@ -69,9 +69,9 @@ def local_world_size(cfg: Config) -> int:
     if has_roles(cfg):
         return p.num_ps + (p.num_workers or 2)
     if p.dp:
-        return p.dp * p.tp * p.pp
-    if p.tp * p.pp > 1:
-        return p.tp * p.pp
+        return p.dp * p.tp * p.pp * p.cp
+    if p.tp * p.pp * p.cp > 1:
+        return p.tp * p.pp * p.cp
     if cfg.train.device == "cpu":
         return 2
     return gpu_count() or 2

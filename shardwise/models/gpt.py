@@ -75,6 +75,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
+        # attend(q, k, v) -> y, all (B, h, T, hs), causal: None = torch's kernel; context
+        # parallelism sets its ring or Ulysses attention here (parallel/context.py)
+        self.attend = None
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -83,7 +86,9 @@ class CausalSelfAttention(nn.Module):
         hs = q.shape[-1] // self.n_head
         q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in (q, k, v))  # (B, h, T, hs)
         p = self.dropout if self.training else 0.0
-        if kv is None or kv.start == 0:          # no cache, or its first call: plain causal
+        if kv is None and self.attend is not None:
+            y = self.attend(q, k, v)
+        elif kv is None or kv.start == 0:        # no cache, or its first call: plain causal
             if kv is not None:
                 kv.update(k, v)                  # attend to k, v themselves: the same kernel
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)

@@ -298,11 +298,10 @@ class Strategy(ActivationLedger, LossScaling, StrategyState):
         last forward, so the ranks meet in the backend's thread while backward computes instead
         of in a blocking collective after the step (one sync point a step, not two). Every rank
         launches it at the same point, before backward's collectives, so the order matches."""
-        index, count = self.data_shard()
         t = value.detach().float().reshape(1).clone()
-        if count == 1:
+        if self._averaged_over() == 1:
             return lambda: float(t)
-        work = self.comm.all_reduce(t, self.mesh.dp_group, op="avg", async_op=True,
+        work = self.comm.all_reduce(t, self.mesh.grad_group, op="avg", async_op=True,
                                     name="metrics")
 
         def wait() -> float:
@@ -310,13 +309,17 @@ class Strategy(ActivationLedger, LossScaling, StrategyState):
             return float(t)
         return wait
 
+    def _averaged_over(self) -> int:
+        """How many ranks a per-rank metric is averaged over: the data shards, and under
+        context parallelism their sequence parts too (each rank's loss covers its part)."""
+        return self.data_shard()[1] * self.mesh.cp
+
     def reduce_mean(self, value: torch.Tensor) -> float:
         """Average a per-rank scalar over the data shards (metered as 'metrics')."""
-        index, count = self.data_shard()
-        if count == 1:
+        if self._averaged_over() == 1:
             return float(value)
         t = value.detach().float().reshape(1).clone()
-        self.comm.all_reduce(t, self.mesh.dp_group, op="avg", name="metrics")
+        self.comm.all_reduce(t, self.mesh.grad_group, op="avg", name="metrics")
         return float(t)
 
     @torch.no_grad()

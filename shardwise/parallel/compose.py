@@ -34,6 +34,11 @@ below follows it step by step):
                      residual adds, dropout) on a 1/tp slice of the sequence; the split layers'
                      all-reduces become reduce-scatters and all-gathers along the sequence
                      (parallel/sequence.py; meter ``sp_ag`` / ``sp_rs`` / ``sp_grad``)
+ 2c. context parallel    ``--cp`` > 1: every sequence cut over the cp ranks (2 x cp chunks,
+                     causally balanced); the attention becomes ring attention or Ulysses
+                     over ``mesh.cp_group``, positions and targets follow the cut
+                     (parallel/context.py; meter ``cp_ring`` / ``cp_a2a``); the gradient sync
+                     of step 6 then runs over dp x cp (``mesh.grad_group``)
  3. pipeline split   pp > 1: this rank keeps its stage, or its v chunks when interleaved
                      (parallel/pipeline/driver.cut)
  4. activation checkpointing   each of this rank's blocks recomputed in backward (memory/)
@@ -42,8 +47,8 @@ below follows it step by step):
                      fp16 working copies with fp32 masters (stages 1-3); fp16 adds the
                      component's loss scaler
  6. gradient sync    the data-parallel component of parallel/data/ at ``zero_stage`` 0-3 over
-                     ``mesh.dp_group``, on whatever steps 2-3 left (the whole model, its tp
-                     slice, or this rank's stage; a TensorPlan tells it how the norm sums over
+                     ``mesh.grad_group`` (dp; dp x cp under --cp), on whatever steps 2-3
+                     left (the whole model, its tp slice, or this rank's stage; a TensorPlan tells it how the norm sums over
                      tp and pp); under a pipeline its gradients stay whole until the step's
                      last backward (``accumulate_unsharded``)
  7. optimizer wrappers   the optimizer built by the component on what it shards (the user's
@@ -77,6 +82,7 @@ from shardwise.parallel import strategy_class
 from shardwise.parallel.base import LossFn, OptimizerFactory, Strategy
 from shardwise.parallel.data import stage_class
 from shardwise.parallel.pipeline import driver
+from shardwise.parallel.context import apply_context_parallel, context_loss
 from shardwise.parallel.sequence import apply_sequence_parallel
 from shardwise.parallel.tensor import TensorPlan, split_from_rank0
 from shardwise.parallel.presets import DATA_MODEL, zero_stage
@@ -121,6 +127,9 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
         model, specs, loss_fn = split_from_rank0(model, mesh, comm, device, loss_fn, mat)
     if p.sequence_parallel:                                               # 2b
         apply_sequence_parallel(model, mesh, comm)
+    if mesh.cp > 1:                                                       # 2c
+        apply_context_parallel(model, mesh, comm, p.cp_impl)
+        loss_fn = context_loss(loss_fn, comm, mesh.cp_group)
     cut = units = None
     if mesh.pp > 1:                                                       # 3
         units = block_class_names(model)   # ZeRO-3's unit class, read off the whole model

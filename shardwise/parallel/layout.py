@@ -31,7 +31,8 @@ from dataclasses import replace
 from shardwise.config import Config, ConfigError
 from shardwise.parallel.presets import DATA_MODEL, PRESETS, zero_stage  # noqa: F401 (re-exported)
 from shardwise.memory import checks as memory_checks
-from shardwise.parallel import dp_checks, ps_checks, sequence_checks, tensor_checks
+from shardwise.parallel import (context_checks, dp_checks, ps_checks, sequence_checks,
+                                tensor_checks)
 from shardwise.parallel.data import checks as data_checks
 from shardwise.parallel.pipeline import checks as pipeline_checks
 
@@ -68,7 +69,7 @@ def resolve(cfg: Config, explicit_strategy: bool | None = None) -> Config:
     stage = zero_stage(cfg)
     name = p.strategy
     if not explicit_strategy:
-        if p.tp == 1 and p.pp == 1:
+        if p.tp == 1 and p.pp == 1 and p.cp == 1:
             name = "ddp" if stage == 0 else f"zero{stage}"
         else:
             name = "3d"
@@ -79,7 +80,8 @@ def reads(cfg: Config) -> dict[str, bool]:
     """For a resolved config: whether its layout reads each layout-specific setting, as each
     component declares it."""
     return {**data_checks.reads(cfg, zero_stage(cfg)), **pipeline_checks.reads(cfg),
-            **ps_checks.reads(cfg), **dp_checks.reads(cfg), **sequence_checks.reads(cfg)}
+            **ps_checks.reads(cfg), **dp_checks.reads(cfg), **sequence_checks.reads(cfg),
+            **context_checks.reads(cfg)}
 
 
 def check_components(cfg: Config, world_size: int, dp: int) -> None:
@@ -87,6 +89,7 @@ def check_components(cfg: Config, world_size: int, dp: int) -> None:
     data_checks.check(cfg, world_size, zero_stage(cfg), dp)
     tensor_checks.check(cfg, world_size)
     sequence_checks.check(cfg, world_size)
+    context_checks.check(cfg, world_size)
     pipeline_checks.check(cfg, world_size, dp)
     ps_checks.check(cfg, world_size)
     dp_checks.check(cfg, world_size)
@@ -124,6 +127,7 @@ WHERE_READ = {
     "num_microbatches": "--pp 2 or more", "schedule": "--pp 2 or more",
     "stage_layers": "--pp 2 or more", "pp_transport": "--pp 2 or more",
     "sequence_parallel": "ddp, zeroN, tp or 3d with --tp 2 or more",
+    "cp": "ddp, zeroN, tp or 3d", "cp_impl": "--cp 2 or more",
 }
 
 
@@ -138,6 +142,8 @@ def describe(cfg: Config) -> str:
     if p.tp > 1:
         parts.append(f"tensor parallel over tp={p.tp}"
                      + (" with sequence parallelism" if p.sequence_parallel else ""))
+    if p.cp > 1:
+        parts.append(f"context parallel over cp={p.cp} ({p.cp_impl})")
     if p.pp > 1:
         parts.append(f"pipeline over pp={p.pp} ({p.schedule})")
     return " x ".join(parts)

@@ -43,8 +43,8 @@ def resolve_dp(cfg: Config, world_size: int) -> int:
         return 1
     if p.dp:
         return p.dp
-    rest = p.tp * p.pp
+    rest = p.tp * p.pp * p.cp
     if world_size % rest:
-        raise ConfigError("parallel.tp", p.tp, f"tp x pp = {rest} does not divide the world size"
-                          f" {world_size}", "choose sizes whose product divides the process count")
+        raise ConfigError("parallel.tp", p.tp, f"tp x pp x cp = {rest} does not divide the world "
+                          f"size {world_size}", "choose sizes whose product divides the process count")
     return world_size // rest

@@ -138,7 +138,8 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
         mesh_sizes = ((1, world_size, 1) if has_roles(cfg)
                       else (p.pp, resolve_dp(cfg, world_size), p.tp))
     timeout = timedelta(seconds=collective_seconds(cfg)) if world_size > 1 else None
-    mesh = Mesh.build(*mesh_sizes, timeout=timeout, dp_shard=_dp_shard(cfg, mesh_sizes[1]))
+    cp = 1 if has_roles(cfg) else getattr(cfg.parallel, "cp", 1)
+    mesh = Mesh.build(*mesh_sizes, timeout=timeout, dp_shard=_dp_shard(cfg, mesh_sizes[1]), cp=cp)
     # SHARDWISE_CHECK_DEVICES=1: every collective checks its tensors' devices (debug mode)
     comm = Comm(CommMeter(), timeout=timeout, spin=spins(cfg.train.comm_wait, device, world_size),
                 device=device, check_devices=os.environ.get("SHARDWISE_CHECK_DEVICES") == "1")

@@ -357,9 +357,9 @@ def _layout(cfg: Config, world_size: int) -> None:
     dp = 1
     if p.strategy not in SINGLE_PROCESS and p.strategy != "ps":
         dp = resolve_dp(cfg, world_size)
-        if dp * p.tp * p.pp != world_size:
-            raise ConfigError("parallel.dp", dp, f"dp x tp x pp = {dp}x{p.tp}x{p.pp} = "
-                              f"{dp * p.tp * p.pp} != world size {world_size}",
+        if dp * p.tp * p.pp * p.cp != world_size:
+            raise ConfigError("parallel.dp", dp, f"dp x cp x tp x pp = {dp}x{p.cp}x{p.tp}x{p.pp} "
+                              f"= {dp * p.cp * p.tp * p.pp} != world size {world_size}",
                               "make the product equal the number of processes (--nproc-per-node)")
         per_rank = cfg.train.batch_size // (dp * cfg.memory.grad_accum)
         if cfg.train.batch_size % (dp * cfg.memory.grad_accum) or per_rank == 0:

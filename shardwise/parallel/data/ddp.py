@@ -66,7 +66,7 @@ class DDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module, optimizer_factory: OptimizerFactory) -> None:
         self.model = model.to(self.device)
-        self.group = self.mesh.dp_group
+        self.group = self.mesh.grad_group
         self._broadcast_state()
         p = self.cfg.parallel
         # one replica: nothing to wait for, so a parameter without a gradient is left out of

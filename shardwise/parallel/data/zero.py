@@ -146,7 +146,7 @@ class ZeroStrategy(Strategy):
         self.name = f"zero{self.stage}"
         # HSDP (mesh.build's dp_shard): shard over the shard group, all-reduce the reduced
         # gradient shards over the replica group; else the whole dp axis shards, no replicas
-        self.group = mesh.group("dp_shard") if "dp_shard" in mesh.shape else mesh.dp_group
+        self.group = mesh.group("dp_shard") if "dp_shard" in mesh.shape else mesh.grad_group
         self.replicas = mesh.group("dp_replicate")
         self.dtype = DTYPES.get(cfg.memory.mixed_precision, torch.float32)   # "no": fp32
         self.overlap = cfg.parallel.overlap
@@ -195,7 +195,7 @@ class ZeroStrategy(Strategy):
         self.model = model._apply(lambda t: t if t.is_meta else t.to(self.device))
         if not self.deterministic_start:
             broadcast_coalesced(self.comm, [*self.model.parameters(), *self.model.buffers()], 0,
-                                self.mesh.dp_group, name="zero_broadcast")
+                                self.mesh.grad_group, name="zero_broadcast")
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._groups = ParamGroups.probe(optimizer_factory, named)
         self.frozen = [p for p in self.model.parameters() if not p.requires_grad]
