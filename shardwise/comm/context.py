@@ -64,11 +64,6 @@ def _blocks(r: int, s: int, c: int):
     return slice(c, None), slice(None), False
 
 
-def _causal_mask(r: int, n: int, c: int, device) -> torch.Tensor:
-    pos = positions(2 * n * c, n, r, device)
-    return pos[:, None] >= pos[None, :]                       # (L, L): query sees key
-
-
 def _pass(comm: Comm, group: Group, t: torch.Tensor):
     """Send ``t`` to the next rank of the ring and receive the previous rank's (async)."""
     n, r = group.size, group.rank
@@ -85,25 +80,56 @@ def _done(pending) -> torch.Tensor:
     return buf
 
 
+# One block: (out, lse) of queries against keys, and its gradients given the whole attention's
+# out and lse (FlashAttention's backward: P = exp(S - lse), D = rowsum(dout * out)). On CPU
+# torch's flash kernel does both without materialising the (rows x cols) scores; elsewhere the
+# scores are computed explicitly. The diagonal block is plain causal on the local order: the
+# local positions [chunk r | chunk 2N-1-r] increase, so "key at or before query" by global
+# position is "key index <= query index" locally.
+def _block_forward(q, k, v, causal: bool, scale: float):
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)
+        return out.float(), lse.float()
+    scores = q.float() @ k.float().transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(_upper(scores), float("-inf"))
+    return torch.softmax(scores, -1) @ v.float(), torch.logsumexp(scores, -1)
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    if q.device.type == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, causal, scale=scale)
+        return dq.float(), dk.float(), dv.float()
+    qf, kf, vf, dout = q.float(), k.float(), v.float(), dout.float()
+    scores = qf @ kf.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(_upper(scores), float("-inf"))
+    p = torch.exp(scores - lse[..., None])
+    ds = p * (dout @ vf.transpose(-1, -2) - (dout * out).sum(-1)[..., None])
+    return ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, p.transpose(-1, -2) @ dout
+
+
+def _upper(scores: torch.Tensor) -> torch.Tensor:
+    rows, cols = scores.shape[-2:]
+    return torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, group: Group, scale: float):
         n, r = group.size, group.rank
         c = q.shape[2] // 2
-        qf = q.float()
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        mask = _causal_mask(r, n, c, q.device)
         kv = torch.stack([k, v]).contiguous()                 # (2, B, h, L, d)
         for i in range(n):
             s = (r - i) % n
             pending = _pass(comm, group, kv) if i < n - 1 else None
             rows, cols, causal = _blocks(r, s, c)
-            scores = qf[:, :, rows] @ kv[0][:, :, cols].float().transpose(-1, -2) * scale
-            if causal:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            block_lse = torch.logsumexp(scores, -1)            # (B, h, rows)
-            block_out = torch.softmax(scores, -1) @ kv[1][:, :, cols].float()
+            block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, cols],
+                                                  kv[1][:, :, cols], causal, scale)
             new = torch.logaddexp(lse[:, :, rows], block_lse)
             out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new)[..., None]
                                + block_out * torch.exp(block_lse - new)[..., None])
@@ -120,26 +146,20 @@ class _RingAttention(torch.autograd.Function):
         comm, group, scale = ctx.comm, ctx.group, ctx.scale
         n, r = group.size, group.rank
         c = q.shape[2] // 2
-        qf, dout = q.float(), dout.float()
-        delta = (dout * out).sum(-1)                           # (B, h, L)
-        mask = _causal_mask(r, n, c, q.device)
-        dq = torch.zeros_like(qf)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         for i in range(n):
             s = (r - i) % n
             pending = _pass(comm, group, kv) if i < n - 1 else None
             rows, cols, causal = _blocks(r, s, c)
-            kb, vb = kv[0][:, :, cols].float(), kv[1][:, :, cols].float()
-            scores = qf[:, :, rows] @ kb.transpose(-1, -2) * scale
-            if causal:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            p = torch.exp(scores - lse[:, :, rows][..., None])
-            do = dout[:, :, rows]
-            dkv[1][:, :, cols] += p.transpose(-1, -2) @ do
-            ds = p * (do @ vb.transpose(-1, -2) - delta[:, :, rows][..., None])
-            dq[:, :, rows] += ds @ kb * scale
-            dkv[0][:, :, cols] += ds.transpose(-1, -2) @ qf[:, :, rows] * scale
+            dqb, dkb, dvb = _block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                                            kv[1][:, :, cols], out[:, :, rows],
+                                            lse[:, :, rows], causal, scale)
+            dq[:, :, rows] += dqb
+            dkv[0][:, :, cols] += dkb
+            dkv[1][:, :, cols] += dvb
             dkv = _done(_pass(comm, group, dkv))               # with its keys, one hop on
             if pending is not None:
                 kv = _done(pending)
