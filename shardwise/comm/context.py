@@ -111,6 +111,20 @@ def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, p.transpose(-1, -2) @ dout
 
 
+def _expand(kv: torch.Tensor, rep: int) -> torch.Tensor:
+    """Grouped-query attention: (B, h_kv, n, d) -> (B, h_kv * rep, n, d), query head j reading
+    key-value head j // rep (Hugging Face's repeat_kv)."""
+    return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
+
+
+def _fold(grad: torch.Tensor, rep: int) -> torch.Tensor:
+    """The gradient of :func:`_expand`: the rep query heads of one key-value head summed."""
+    if rep == 1:
+        return grad
+    b, h, n, d = grad.shape
+    return grad.view(b, h // rep, rep, n, d).sum(2)
+
+
 def _upper(scores: torch.Tensor) -> torch.Tensor:
     rows, cols = scores.shape[-2:]
     return torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1)
@@ -120,7 +134,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, group: Group, scale: float):
         n, r = group.size, group.rank
-        c = q.shape[2] // 2
+        c, rep = q.shape[2] // 2, q.shape[1] // k.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()                 # (2, B, h, L, d)
@@ -128,8 +142,8 @@ class _RingAttention(torch.autograd.Function):
             s = (r - i) % n
             pending = _pass(comm, group, kv) if i < n - 1 else None
             rows, cols, causal = _blocks(r, s, c)
-            block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, cols],
-                                                  kv[1][:, :, cols], causal, scale)
+            block_out, block_lse = _block_forward(q[:, :, rows], _expand(kv[0][:, :, cols], rep),
+                                                  _expand(kv[1][:, :, cols], rep), causal, scale)
             new = torch.logaddexp(lse[:, :, rows], block_lse)
             out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new)[..., None]
                                + block_out * torch.exp(block_lse - new)[..., None])
@@ -145,7 +159,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         comm, group, scale = ctx.comm, ctx.group, ctx.scale
         n, r = group.size, group.rank
-        c = q.shape[2] // 2
+        c, rep = q.shape[2] // 2, q.shape[1] // k.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -154,12 +168,13 @@ class _RingAttention(torch.autograd.Function):
             s = (r - i) % n
             pending = _pass(comm, group, kv) if i < n - 1 else None
             rows, cols, causal = _blocks(r, s, c)
-            dqb, dkb, dvb = _block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                                            kv[1][:, :, cols], out[:, :, rows],
+            dqb, dkb, dvb = _block_backward(dout[:, :, rows], q[:, :, rows],
+                                            _expand(kv[0][:, :, cols], rep),
+                                            _expand(kv[1][:, :, cols], rep), out[:, :, rows],
                                             lse[:, :, rows], causal, scale)
             dq[:, :, rows] += dqb
-            dkv[0][:, :, cols] += dkb
-            dkv[1][:, :, cols] += dvb
+            dkv[0][:, :, cols] += _fold(dkb, rep)
+            dkv[1][:, :, cols] += _fold(dvb, rep)
             dkv = _done(_pass(comm, group, dkv))               # with its keys, one hop on
             if pending is not None:
                 kv = _done(pending)
@@ -168,11 +183,22 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q, k, v, comm: Comm, group: Group, scale: float | None = None):
     """Causal attention of this rank's queries over the whole sequence's keys and values, the
-    keys and values passed round the cp ring (module docstring). q, k, v: (B, h, L, d)."""
+    keys and values passed round the cp ring (module docstring). q: (B, h, L, d); k, v:
+    (B, h_kv, L, d), h_kv dividing h (grouped-query attention: the ring carries the h_kv heads,
+    each block expands them)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    _check_groups(q, k)
     if group.size == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, _expand(k, rep), _expand(v, rep),
+                                              is_causal=True, scale=scale)
     return _RingAttention.apply(q, k, v, comm, group, scale)
+
+
+def _check_groups(q, k):
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"grouped-query attention needs the {q.shape[1]} query heads to divide "
+                         f"by the {k.shape[1]} key-value heads")
 
 
 # -- Ulysses --------------------------------------------------------------------------------------
@@ -220,20 +246,32 @@ class _ToSequence(torch.autograd.Function):
 
 def ulysses_attention(q, k, v, comm: Comm, group: Group, scale: float | None = None):
     """Causal attention by DeepSpeed-Ulysses (module docstring): one all-to-all to h/N heads of
-    the whole sequence, attention in natural order, one all-to-all back. q, k, v: (B, h, L, d)."""
+    the whole sequence, attention in natural order, one all-to-all back. q: (B, h, L, d); k, v:
+    (B, h_kv, L, d). With h_kv = h, q, k and v travel as one tensor; with grouped-query
+    attention the keys and values travel as their own h_kv heads when N divides h_kv, else
+    they are first expanded to the h query heads (more traffic: the price of N > h_kv)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    n = group.size
+    _check_groups(q, k)
+    n, rep = group.size, q.shape[1] // k.shape[1]
     if n == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, _expand(k, rep), _expand(v, rep),
+                                              is_causal=True, scale=scale)
     if q.shape[1] % n:
         raise ValueError(f"Ulysses splits the {q.shape[1]} heads over cp = {n} ranks, which do "
                          f"not divide them; fix: --cp-impl ring, or a --cp that divides them")
     seq = n * q.shape[2]
     order = _rank_major(seq, n, q.device)                      # rank-major -> global position
     natural = torch.argsort(order)                              # global position -> rank-major
-    qkv = _ToHeads.apply(torch.stack([q, k, v]), comm, group)   # (3, B, h/N, S, d)
-    qkv = qkv[:, :, :, natural]
-    y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True, scale=scale)
+    if k.shape[1] % n:                                          # fewer kv heads than ranks
+        k, v, rep = _expand(k, rep), _expand(v, rep), 1
+    if rep == 1:
+        qkv = _ToHeads.apply(torch.stack([q, k, v]), comm, group)[:, :, :, natural]
+        q, k, v = qkv[0], qkv[1], qkv[2]                        # (B, h/N, S, d)
+    else:
+        q = _ToHeads.apply(q[None], comm, group)[0][:, :, natural]
+        kv = _ToHeads.apply(torch.stack([k, v]), comm, group)[:, :, :, natural]
+        k, v = _expand(kv[0], rep), _expand(kv[1], rep)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     y = y[:, :, order]                                          # back to rank-major
     return _ToSequence.apply(y[None], comm, group)[0]
 

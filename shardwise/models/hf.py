@@ -252,3 +252,30 @@ def load_weights(model: nn.Module, folder: str) -> None:
     with torch.no_grad():
         for k, ours in mapping.items():
             state[ours].copy_(tensors[k])
+
+
+# -- attention routed to shardwise (context parallelism) ------------------------------------------
+ATTENTION = "shardwise"
+
+
+def _routed(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+            **kwargs):
+    """transformers' attention interface entry under the name :data:`ATTENTION`: the module's
+    own ``shardwise_attend`` (set by :func:`route_attention`). The entry itself holds nothing,
+    so one registration serves every model in the process. Causal only: transformers builds no
+    mask for an implementation it does not know, and the caller refuses a padding mask."""
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} under context parallelism: not built; "
+                         "fix: set the model's attention dropout to 0 (--dropout 0)")
+    out = module.shardwise_attend(query, key, value, scale=scaling)          # (B, h, T, d)
+    return out.transpose(1, 2).contiguous(), None                           # (B, T, h, d)
+
+
+def route_attention(model: nn.Module, modules, attend) -> None:
+    """Make the Hugging Face ``model``'s attention ``modules`` run ``attend(q, k, v, scale=)``
+    (q: (B, h, T, d), k and v: (B, h_kv, T, d), causal) in place of their own kernel."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTENTION, _routed)
+    for mod in modules:
+        mod.shardwise_attend = attend
+    model.config._attn_implementation = ATTENTION

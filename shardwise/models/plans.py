@@ -23,6 +23,11 @@ A plan says, by module path (``*`` stands for a block's index):
   sizes     the model's head counts, vocabulary and width (n_head, n_kv_head, vocab_size, n_embd;
             a model without attention may leave the heads out; vocab_size is needed with a
             ``vocab_head``, whose logits the vocab-parallel loss reads)
+  attention / positions   context parallelism (``--cp``): the attention modules, whose
+            attention is replaced (an ``attend(q, k, v, scale=)`` method, as shardwise's GPT
+            has, or transformers' attention interface), and where the positions enter: a
+            module looked up by positions 0..T-1 (``module:pos_emb``, learned positions) or a
+            forward argument (``argument:position_ids``, Hugging Face: rotary or learned)
   ids / inputs   the pipeline: the forward's argument that holds the token ids, and the other
             arguments its stages take (Hugging Face: attention_mask, position_ids, labels...);
             a batch may be a tensor (the ids), a tuple (positional) or a dict (keyword), bound to
@@ -88,6 +93,8 @@ class ModelPlan:
     context: Callable | None = None                   # (stage, h, inputs) -> what blocks need
     block: Callable | None = None                     # (stage, block, h (B, T, C), context) -> h
     final: Callable | None = None                     # (stage, h, inputs) -> logits (B, T, V)
+    attention: str = ""                               # cp: the attention modules (a pattern)
+    positions: str = ""                               # cp: "module:PATH" or "argument:NAME"
 
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.blocks)
@@ -232,6 +239,7 @@ _REGISTRY["GPT"] = ModelPlan(
     first=("tok_emb", "pos_emb", "drop"), last=("ln_f", "head"),
     sizes=lambda m: dict(n_head=m.cfg.n_head, n_kv_head=m.cfg.n_head,
                          vocab_size=m.cfg.vocab_size, n_embd=m.cfg.n_embd),
+    attention="blocks.*.attn", positions="module:pos_emb",
     ids="idx", embed=lambda stage, ids, inputs: _gpt_embed(stage, ids),
     block=lambda stage, b, h, ctx: b(h), final=lambda stage, h, inputs: stage.head(stage.ln_f(h)))
 
@@ -326,6 +334,7 @@ _REGISTRY["GPT2LMHeadModel"] = ModelPlan(
     last=("transformer.ln_f", "lm_head"),
     sizes=lambda m: dict(n_head=m.config.n_head, n_kv_head=m.config.n_head,
                          vocab_size=m.config.vocab_size, n_embd=m.config.n_embd),
+    attention="transformer.h.*.attn", positions="argument:position_ids",
     inputs=(*HF_INPUTS, "token_type_ids"), embed=_gpt2_embed, context=_gpt2_context,
     block=lambda stage, b, h, ctx: _first(b(h, attention_mask=ctx["mask"],
                                             position_ids=ctx["pos"])),
@@ -361,6 +370,7 @@ _REGISTRY["LlamaForCausalLM"] = ModelPlan(
     sizes=lambda m: dict(n_head=m.config.num_attention_heads,
                          n_kv_head=m.config.num_key_value_heads,
                          vocab_size=m.config.vocab_size, n_embd=m.config.hidden_size),
+    attention="model.layers.*.self_attn", positions="argument:position_ids",
     inputs=HF_INPUTS, embed=lambda stage, ids, inputs: stage.model.embed_tokens(ids),
     context=_llama_context, block=_llama_block,
     final=lambda stage, h, inputs: _lm_output(stage, stage.lm_head(stage.model.norm(h)), inputs))

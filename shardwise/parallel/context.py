@@ -7,11 +7,17 @@ positions ``comm/context.positions(S, N, cp_rank)``: chunks r and 2N-1-r of 2N (
 balancing). The model's parameters are whole on every cp rank (or sharded by the data-parallel
 stage over dp x cp: ``mesh.grad_group``, torchtitan's dp_shard_cp).
 
-What changes in the model (shardwise's GPT; refused in one line for a model without its hooks):
-  input        a forward pre-hook on the model keeps this rank's positions of ``idx`` (B, S)
-  positions    the position embedding reads this rank's global positions, not 0..L-1
-  attention    every attention module's ``attend`` becomes ring attention or Ulysses
-               (comm/context.py): the only place where positions meet, so the only collective
+What changes in the model, read from its plan's ``attention`` and ``positions``
+(models/plans.py: shardwise's GPT, Hugging Face GPT-2 and Llama, or a person's registered plan):
+  input        a forward pre-hook on the model keeps this rank's positions of the token ids and
+               of every other per-position input (a padding mask and ``labels`` are refused)
+  positions    learned positions (``module:pos_emb``) read this rank's global positions, not
+               0..L-1; a forward argument (``argument:position_ids``: GPT-2's learned table,
+               Llama's rotary) is given them
+  attention    every attention module's attention becomes ring attention or Ulysses
+               (comm/context.py): its ``attend`` method (our GPT), or transformers' attention
+               interface routed to it (models/hf.route_attention; grouped-query attention's
+               key-value heads kept). The only place where positions meet, so the only collective
   the rest     embeddings, norms, MLPs, the head and the loss run on the local L = S/N
                positions unchanged
   loss         the targets are cut to the same positions (:func:`context_loss`); each rank's
@@ -37,7 +43,7 @@ scores are (L x L) at most per ring step, (S x S) / N per head group under Ulyss
 states as the data-parallel stage keeps them over dp x cp.
 
 Not with (refused before launch, parallel/context_checks.py): pipelines, sequence parallelism,
-HSDP, dropout, models other than shardwise's GPT (Hugging Face models: not yet).
+HSDP, dropout, LeNet; a model whose plan names no attention is refused here, in one line.
 """
 from __future__ import annotations
 
@@ -48,37 +54,84 @@ import torch.nn as nn
 
 from shardwise.comm.collectives import Comm, Group
 from shardwise.comm.context import gather_sequence, positions, ring_attention, ulysses_attention
+from shardwise.models import hf
 from shardwise.models.build import logits_of
+from shardwise.models.plans import plan_of
 
 IMPLS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 
 def apply_context_parallel(model: nn.Module, mesh, comm: Comm, impl: str) -> None:
-    """Make ``model`` context parallel over ``mesh.cp_group`` in place (module docstring).
-    Parameters are unchanged. cp = 1: nothing."""
+    """Make ``model`` context parallel over ``mesh.cp_group`` in place (module docstring), by
+    its plan's ``attention`` and ``positions`` (models/plans.py). Parameters are unchanged.
+    cp = 1: nothing."""
     group = mesh.cp_group
     if group.size == 1:
         return
-    attention = [m for m in model.modules() if hasattr(m, "attend")]
-    pos_emb = getattr(model, "pos_emb", None)
-    if not attention or not isinstance(pos_emb, nn.Embedding):
-        raise TypeError(f"context parallelism runs shardwise's GPT (its attention's `attend` "
-                        f"and its learned positions); {type(model).__name__} has neither; fix: "
-                        "--model gpt, or drop --cp")
-    for mod in attention:
-        mod.attend = functools.partial(IMPLS[impl], comm=comm, group=group)
+    plan = plan_of(model)
+    if plan is None or not plan.attention or not plan.positions:
+        raise TypeError(f"context parallelism needs a model plan naming the attention modules "
+                        f"and where positions enter; {type(model).__name__} has none; fix: "
+                        "shardwise.register_plan(cls, ModelPlan(..., attention=..., "
+                        "positions=...)), or drop --cp")
+    attend = functools.partial(IMPLS[impl], comm=comm, group=group)
+    _swap_attention(model, plan, attend)
     n, r = group.size, group.rank
-    pos_emb.register_forward_pre_hook(
-        lambda mod, args: (positions(args[0].numel() * n, n, r, args[0].device)[args[0]],))
+    where, name = plan.positions.split(":", 1)
+    if where == "module":                                # looked up by 0..L-1: global instead
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda mod, args: (positions(args[0].numel() * n, n, r, args[0].device)[args[0]],))
+    model.register_forward_pre_hook(_cutter(plan, n, r, name if where == "argument" else None),
+                                    with_kwargs=True)
 
+
+def _swap_attention(model: nn.Module, plan, attend) -> None:
+    found = [m for path, m in model.named_modules() if plan.matches(path, (plan.attention,))]
+    if not found:
+        raise TypeError(f"the model plan of {type(model).__name__} names attention modules "
+                        f"{plan.attention!r}, and it has none; fix: the plan's attention pattern")
+    if all(hasattr(m, "attend") for m in found):
+        for m in found:
+            m.attend = attend
+    elif all(hasattr(getattr(m, "config", None), "_attn_implementation") for m in found):
+        hf.route_attention(model, found, attend)
+    else:
+        raise TypeError(f"context parallelism replaces attention through an `attend(q, k, v, "
+                        f"scale=)` method or transformers' attention interface; "
+                        f"{type(found[0]).__name__} has neither; fix: give it an `attend` "
+                        "method, or drop --cp")
+
+
+def _cutter(plan, n: int, r: int, position_argument: str | None):
+    """The model's forward pre-hook: this rank's positions of the token ids and of every other
+    per-position input (a padding mask is refused: transformers builds none for routed
+    attention, and the ring is causal only); the global positions as ``position_argument``."""
     def cut(module, args, kwargs):
-        idx = args[0] if args else kwargs.get("idx")
-        if not torch.is_tensor(idx) or idx.dim() != 2:
+        kwargs = dict(kwargs)
+        if args:
+            kwargs[plan.ids], args = args[0], args[1:]
+        ids = kwargs.get(plan.ids)
+        if not torch.is_tensor(ids) or ids.dim() != 2:
             raise TypeError("context parallelism cuts a (batch, sequence) tensor of token ids; "
-                            f"got {type(idx).__name__}; fix: pass the ids as the first input")
-        mine = idx[:, positions(idx.shape[1], n, r, idx.device)]
-        return ((mine, *args[1:]), kwargs) if args else (args, {**kwargs, "idx": mine})
-    model.register_forward_pre_hook(cut, with_kwargs=True)
+                            f"got {type(ids).__name__}; fix: pass the ids as the first input")
+        seq = ids.shape[1]
+        mine = positions(seq, n, r, ids.device)
+        mask = kwargs.pop("attention_mask", None)
+        if mask is not None and not bool(mask.all()):
+            raise ValueError("a padding attention_mask under context parallelism: not built "
+                             "(the ring and Ulysses are causal only); fix: batches without "
+                             "padding, or drop --cp")
+        if kwargs.get("labels") is not None:
+            raise ValueError("labels under context parallelism: the model's own loss would "
+                             "shift the targets inside each rank's chunks; fix: drop labels "
+                             "and let shardwise's loss (or yours on engine(x)) read the targets")
+        for key, value in kwargs.items():
+            if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == seq:
+                kwargs[key] = value[:, mine]
+        if position_argument is not None and kwargs.get(position_argument) is None:
+            kwargs[position_argument] = mine[None]
+        return args, kwargs
+    return cut
 
 
 def context_loss(loss_fn, comm: Comm, group: Group):

@@ -1,7 +1,9 @@
 """Context parallelism's own constraints (``--cp``, ``--cp-impl``), checked before launch; pure.
 It cuts every sequence into 2 x cp chunks (parallel/context.py), so the sequence length must
 divide by 2 x cp; Ulysses splits the heads (tp-local) over cp. Not built yet with pipelines,
-sequence parallelism, HSDP, dropout or models other than shardwise's GPT: each refused here."""
+sequence parallelism, HSDP or dropout: each refused here. Models: shardwise's GPT, Hugging Face
+GPT-2 and Llama, and a person's model whose plan names its attention and positions (checked
+when the model is prepared: parallel/context.py); LeNet is refused here."""
 from __future__ import annotations
 
 from shardwise.config import Config, ConfigError
@@ -20,9 +22,10 @@ def check(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.cp", p.cp, "is not a size", "give 1 (off) or more")
     if p.cp == 1:
         return
-    if m.name != "gpt":
-        raise ConfigError("parallel.cp", p.cp, f"context parallelism runs shardwise's GPT, not "
-                          f"{m.name} (Hugging Face models: not yet)", "use --model gpt, or drop --cp")
+    if m.name == "lenet":
+        raise ConfigError("parallel.cp", p.cp, "context parallelism cuts sequences, and LeNet "
+                          "reads images", "a sequence model (--model gpt, hf:gpt2, hf:llama), "
+                          "or drop --cp")
     if m.block_size % (2 * p.cp):
         raise ConfigError("model.block_size", m.block_size, f"--cp {p.cp} cuts each sequence into "
                           f"2 x cp = {2 * p.cp} chunks (causal load balancing), which do not "

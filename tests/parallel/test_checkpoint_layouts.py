@@ -17,9 +17,10 @@ must leave every save published, complete and in order.
 Reshard (another layout or world): single (this process) saves at steps 2, 4, 6. The world of 4
 runs zero3 (dp 4) from single's step 2 (saves 4), tp2 x pp2 (ZeRO-1) from zero3-w4's step 4,
 and zero3 x tp2 and pp2 x dp2 (ZeRO-1, and DDP) from single's step 4 (saving every step). The world of 2 runs
-zero3 from single's step 2 (saves 4), ddp from zero3-w4's step 4 (saves 5), tp2 and tp2 with
-sequence parallelism from single's step 4, and ps from single's step 2 (saves 4). This process then continues single from ddp's,
-tp2's, tp2 + sp's, tp2 x pp2's and pp2 x dp2's step 5 and from ps's step 4. In this process
+zero3 from single's step 2 (saves 4), ddp from zero3-w4's step 4 (saves 5), tp2, tp2 with
+sequence parallelism and cp 2 (context parallel, ring) from single's step 4, and ps from single's
+step 2 (saves 4). This process then continues single from ddp's, tp2's, tp2 + sp's, cp 2's,
+tp2 x pp2's and pp2 x dp2's step 5 and from ps's step 4. In this process
 too, dp (2 replicas) from single's step 2 (saves 4), and single from dp's step 4. Every segment
 must equal single-process training continued from the same point, losses and final parameters, at fp32
 rtol/atol 1e-5 (tests/reference.py: the layouts sum gradients in another order).
@@ -119,6 +120,8 @@ def _world(rank, world, root):
     out["tp2sp<-single"] = _resume("tp", f"{root}/S/step-4", f"{root}/TS", rank, barrier, 1,
                                    tp=2, sequence_parallel=True)
     out["ps<-single"] = _resume("ps", f"{root}/S/step-2", f"{root}/PS", rank, barrier)
+    out["cp2<-single"] = _resume("ddp", f"{root}/S/step-4", f"{root}/CP", rank, barrier, 1,
+                                 cp=2)
     return out
 
 
@@ -156,16 +159,17 @@ def test_exact_resume_every_layout_and_reshard(tmp_path):
             assert torch.equal(pa[key], pb[key]), f"{name}: {key} differs after the resume"
     why = "fp32: another layout sums the gradients in another order (tests/reference.py)"
     chain = {"zero3<-single": 2, "ddp<-zero3w4": 4, "tp2<-single": 4, "tp2sp<-single": 4,
-             "ps<-single": 2,
+             "ps<-single": 2, "cp2<-single": 4,
              "zero3w4<-single": 2, "tp2pp2<-zero3w4": 4, "zero3tp2<-single": 4,
              "pp2dp2zero1<-single": 4, "pp2dp2ddp<-single": 4, "dp<-single": 2}
     for name, start in chain.items():
         losses, params = runs[name]
         assert_close_runs(losses, ref_losses[start:], params, ref_params, RTOL, ATOL,
                           f"{name}: {why}")
-    # ddp -> single, tp2 -> single, tp2 + sp -> single, tp2 x pp2 -> single, pp2 x dp2 ZeRO-1 -> single, ps -> single,
-    # dp -> single
-    for src in ("D/step-5", "T/step-5", "TS/step-5", "P/step-5", "PZ/step-5", "PS/step-4", "DP/step-4"):
+    # ddp -> single, tp2 -> single, tp2 + sp -> single, cp2 -> single, tp2 x pp2 -> single,
+    # pp2 x dp2 ZeRO-1 -> single, ps -> single, dp -> single
+    for src in ("D/step-5", "T/step-5", "TS/step-5", "CP/step-5", "P/step-5", "PZ/step-5",
+                "PS/step-4", "DP/step-4"):
         losses, params = _resume("single", f"{root}/{src}", f"{root}/from-{src.split('/')[0]}",
                                  0, nothing)
         start = int(src.rsplit("-", 1)[1])

@@ -227,4 +227,5 @@ def test_bad_cp_settings_are_refused_in_one_line(capsys):
     assert "--cp" in _cli_error(capsys, "--cp-impl", "ulysses")        # read only with --cp
     assert "pipeline" in _cli_error(capsys, "--cp", "2", "--pp", "2")
     assert "sequence parallelism" in _cli_error(capsys, "--cp", "2", "--tp", "2", "--sp")
-    assert "lenet" in _cli_error(capsys, "--cp", "2", "--model", "lenet", "--dataset", "digits")
+    assert "LeNet reads images" in _cli_error(capsys, "--cp", "2", "--model", "lenet",
+                                             "--dataset", "digits")
