@@ -4,7 +4,8 @@ Calibration lives in :mod:`shardwise.launch.calibrate`. Then :func:`choose` plan
 ``Hardware.custom(...)`` for the local process count and for one process, keeps the fastest
 layout that shardwise can run (its strategy is installed and imports, and the resulting config
 validates), and converts it into the config: strategy, dp / tp / pp, HSDP's dp_replicate /
-dp_shard, sequence_parallel (where this installation has it), schedule, num_microbatches (or
+dp_shard, sequence_parallel (where this installation has it), cp and cp_impl (context
+parallelism, which the planner tries for long sequences), schedule, num_microbatches (or
 grad_accum), offload, offload_params, activation_checkpointing, and the model's init (the
 planner's start-up peak reads it).
 
@@ -43,6 +44,8 @@ def to_config(layout: Layout, cfg: Config) -> tuple[Config, dict]:
                dp_shard=layout.dp_shard if layout.hsdp else 0)
     if hasattr(cfg.parallel, "sequence_parallel"):
         par["sequence_parallel"] = layout.sequence_parallel
+    if hasattr(cfg.parallel, "cp"):      # cp_impl is read only with cp > 1
+        par.update(cp=layout.cp, **({"cp_impl": layout.cp_impl} if layout.cp > 1 else {}))
     if layout.kind in ("single", "ps"):
         par["dp"] = 0
     if layout.kind == "ps":
@@ -113,8 +116,8 @@ FIXABLE = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.nproc_per_node
            "parallel.schedule", "parallel.num_microbatches", "parallel.virtual_stages",
            "parallel.num_ps", "parallel.num_workers", "parallel.zero1_over_dp",
            "parallel.dp_replicate", "parallel.dp_shard", "parallel.sequence_parallel",
-           "memory.grad_accum", "memory.offload", "memory.offload_params",
-           "memory.activation_checkpointing")
+           "parallel.cp", "parallel.cp_impl", "memory.grad_accum", "memory.offload",
+           "memory.offload_params", "memory.activation_checkpointing")
 """Every setting :func:`to_config` may change: one the person gave rules out the layouts that
 would change it."""
 

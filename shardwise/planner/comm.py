@@ -151,7 +151,7 @@ def dp_traffic(layout: Layout, p_dev: float, hw: Hardware, batch: Batch,
     each paying the ring's latency (ZeRO-3's per-unit gather latency). HSDP: the collectives
     run over the shard group, and each reduce-scatter is followed by the replica allreduce of
     its shard (shardwise's ``hsdp_grad_ar``), counted with it and in ``across_replicas``."""
-    n = layout.dp
+    n = layout.dp * layout.cp                  # the gradient group: dp x cp
     per = state_bytes(batch)
     grads, weights = per["gradients"] * p_dev, per["parameters"] * p_dev
     buckets = max(1, math.ceil(grads / layout.bucket_bytes))
@@ -185,6 +185,34 @@ def tp_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch, layers
     small = allreduce_time(rows * 4, layout.tp, bw, alpha, 1, hw.collective_overhead) \
         + allreduce_time(2 * rows * 4, layout.tp, bw, alpha, 1, hw.collective_overhead)
     return count * allreduce_time(k, layout.tp, bw, alpha, 1, hw.collective_overhead) + small
+
+
+def cp_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch, layers: int) -> float:
+    """Context parallelism's attention traffic of one micro-batch through ``layers`` blocks, per
+    rank, as shardwise/comm/context.py moves it (keys and values as wide as the queries: the
+    planner's model has no grouped-query heads, so this is the upper bound). A block is
+    ``E = micro_batch x seq_len / cp x hidden / tp`` values:
+      ring     forward cp - 1 sends of keys and values (2E each); backward cp - 1 again and cp
+               sends of their fp32 gradients, one hop more to reach home; p2p over the cp
+               ranks (``tp`` apart)
+      ulysses  forward one all-to-all of q, k, v (3E) and one of the output (E), (cp-1)/cp of
+               each leaving the rank; backward the same two
+    Full recomputation runs the forward's sends again. Counted as exposed: the ring launches
+    each send before the block it replaces, so on accelerators part of it hides (an upper
+    bound there)."""
+    n = layout.cp
+    if n <= 1:
+        return 0.0
+    bw, alpha = hw.link(n, layout.tp)
+    act = 2 if batch.mixed else 4
+    e = layout.micro_batch * model.seq_len / n * model.hidden / layout.tp
+    if layout.cp_impl == "ring":
+        forward = (n - 1) * (2 * e * act / bw + alpha)
+        backward = (n - 1) * (2 * e * act / bw + alpha) + n * (2 * e * 4 / bw + alpha)
+    else:
+        forward = (n - 1) / n * 4 * e * act / bw + 2 * (alpha + hw.collective_overhead)
+        backward = forward
+    return layers * ((2 if layout.act_ckpt else 1) * forward + backward)
 
 
 def p2p_stage_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> float:

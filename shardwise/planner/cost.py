@@ -126,6 +126,12 @@ def _check(layout: Layout, model: ModelSpec, hw: Hardware) -> None:
     if layout.pp > model.layers:
         raise PlanError("pp", layout.pp, f"exceeds the model's {model.layers} layers",
                         "use at most one stage per layer")
+    if model.seq_len % (2 * layout.cp) and layout.cp > 1:
+        raise PlanError("cp", layout.cp, f"cuts each sequence into 2 x cp chunks, which do not "
+                        f"divide seq_len {model.seq_len}", "pick a cp with 2 x cp dividing it")
+    if layout.cp_impl == "ulysses" and layout.cp > 1 and (model.heads // layout.tp) % layout.cp:
+        raise PlanError("cp", layout.cp, f"Ulysses splits a rank's {model.heads // layout.tp} "
+                        "heads over cp, which does not divide them", "ring, or another cp")
 
 
 def _microbatch_seconds(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> float:
@@ -136,10 +142,10 @@ def _microbatch_seconds(layout: Layout, model: ModelSpec, hw: Hardware, batch: B
     first = layers_on_stage(model, layout.pp, 0) * block
     last = layers_on_stage(model, layout.pp, layout.pp - 1) * block + model.head_flops
     per_token = max(first, last) if layout.pp > 1 else first + model.head_flops
-    flops = per_token * layout.micro_batch * model.seq_len / layout.tp
+    flops = per_token * layout.micro_batch * model.seq_len / layout.tp / layout.cp
     rate = hw.flops(batch.precision)
-    gemms = kernels.block_gemms(model.hidden, model.heads, model.ffn, model.seq_len,
-                                layout.micro_batch, layout.tp)
+    gemms = kernels.block_gemms(model.hidden, model.heads, model.ffn,
+                                max(1, model.seq_len // layout.cp), layout.micro_batch, layout.tp)
     slow = kernels.slowdown(gemms, rate, hw.mem_bw, hw.gemm_latency, 2 if batch.mixed else 4)
     overhead = layers_on_stage(model, layout.pp, 0) * hw.block_overhead
     return flops / rate * slow + overhead * (4 / 3 if layout.act_ckpt else 1)
@@ -201,12 +207,13 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
     units = layers_on_stage(model, layout.pp, 0)
     dp = comm.dp_traffic(layout, p_dev, hw, batch, units=units)
     tp = comm.tp_time(layout, model, hw, batch, layers_on_stage(model, layout.pp, 0))
+    cp = comm.cp_time(layout, model, hw, batch, layers_on_stage(model, layout.pp, 0))
     # interleaved: a micro-batch crosses v times as many stage boundaries per rank
     p2p = comm.p2p_stage_time(layout, model, hw, batch) * layout.virtual_stages
     # what compute can hide: all of it on accelerators, none where collectives need the cores
     hide_fwd, hide_bwd = fwd * hw.comm_overlap, bwd * hw.comm_overlap
     per_mb = _exposed_per_microbatch(dp, hide_fwd, hide_bwd, units)
-    slot = t_mb + tp + p2p + per_mb
+    slot = t_mb + tp + cp + p2p + per_mb
     once = dp.after_step + (dp.last_backward if layout.pp > 1 else
                             max(0.0, dp.last_backward - hide_bwd))
     optimizer_s, offload_s = _optimizer_and_offload(layout, model, hw, batch, p_dev, m)
@@ -216,7 +223,7 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
     bubble_s = pipe - m * slot
     step = pipe + once + optimizer_s + offload_s + ps
     across = dp.across_replicas * (1 if layout.zero == 1 else m)
-    traffic = {"tp": m * tp, "p2p": m * p2p, "ps": ps,
+    traffic = {"tp": m * tp, "cp": m * cp, "p2p": m * p2p, "ps": ps,
                "dp": m * (dp.per_microbatch_rs + dp.per_microbatch_ag) + dp.last_backward
                + dp.after_step - across, "replicas": across}
     tokens = batch.global_batch * model.seq_len
@@ -225,7 +232,7 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
         layout=layout, memory=mem.device, memory_role=mem.role, capacity=hw.usable_memory,
         host_per_node=mem.host_per_node, disk_per_node=mem.disk_per_node, fits=not why,
         why_not=why, microbatches=m, compute_s=m * t_mb, comm_s=sum(traffic.values()),
-        comm_exposed_s=m * (tp + p2p + per_mb) + once + ps, comm=traffic,
+        comm_exposed_s=m * (tp + cp + p2p + per_mb) + once + ps, comm=traffic,
         bubble=idle / (m + idle), bubble_s=bubble_s,
         optimizer_s=optimizer_s, offload_s=offload_s, step_s=step, tokens_per_step=tokens,
         startup=mem.startup, startup_host_per_node=mem.startup_host_per_node,

@@ -166,10 +166,12 @@ def _hsdp_words(e: Estimate, hw: Hardware) -> str:
 
 
 def axes_note(winner: Estimate | None, fitting: list[Estimate], hw: Hardware,
-              without_sp: Estimate | None = None, ties: int = 0) -> str:
-    """Why the winner is (or is not) HSDP, and why it uses sequence parallelism; "" when
-    neither question arises. ``fitting``: every fitting estimate, in ranking order, the first
-    ``ties`` tied with the fastest; ``without_sp``: the winner without sequence parallelism."""
+              without_sp: Estimate | None = None, ties: int = 0,
+              without_cp: Estimate | None = None) -> str:
+    """Why the winner is (or is not) HSDP, and why it uses sequence or context parallelism; ""
+    when no such question arises. ``fitting``: every fitting estimate, in ranking order, the
+    first ``ties`` tied with the fastest; ``without_sp``: the winner without sequence
+    parallelism; ``without_cp``: the winner with its cp ranks as data-parallel ranks."""
     if winner is None:
         return ""
     lay, lines = winner.layout, []
@@ -201,6 +203,15 @@ def axes_note(winner: Estimate | None, fitting: list[Estimate], hw: Hardware,
         lines.append(f"Why sequence parallelism: it splits the norm, dropout and residual "
                      f"activations by tp={lay.tp} at the same traffic; without it the layout "
                      f"{why}.")
+    if lay.cp > 1 and without_cp is not None:
+        why = (f"does not fit ({without_cp.why_not})" if not without_cp.fits else
+               f"is {why_lost(without_cp, winner)}")
+        lines.append(f"Why context parallelism (cp={lay.cp}, {lay.cp_impl}): each rank keeps "
+                     f"the activations of 1/{lay.cp} of every sequence "
+                     f"({fmt_bytes(winner.memory.get('activations', 0.0))} per device) for "
+                     f"{fmt_seconds(winner.comm.get('cp', 0.0))} of attention traffic per step; "
+                     f"with those ranks as data-parallel replicas "
+                     f"({without_cp.layout.describe()}) the layout {why}.")
     return "\n".join(lines)
 
 

@@ -1,8 +1,9 @@
 """What a plan chooses (``Layout``: how devices split the work) and what it is given (``Batch``).
 
-The device mesh follows shardwise's order: pp outermost, then dp, tp innermost, so a tp group is
-``tp`` consecutive ranks (inside a node), a dp group has stride ``tp``, a pp group stride
-``tp * dp``. A parameter-server layout has ``num_ps`` server ranks and ``dp`` worker ranks.
+The device mesh follows shardwise's order: pp outermost, then dp, cp, tp innermost, so a tp group
+is ``tp`` consecutive ranks (inside a node), a cp group has stride ``tp``, a dp group stride
+``tp * cp``, a pp group stride ``tp * cp * dp``; gradients are averaged (and ZeRO states
+sharded) over dp x cp, ``dp * cp`` ranks ``tp`` apart (shardwise's ``mesh.grad_group``). A parameter-server layout has ``num_ps`` server ranks and ``dp`` worker ranks.
 HSDP splits the dp axis as ``dp_replicate`` x ``dp_shard``, replicate outermost (shardwise's
 mesh): a shard group is ``dp_shard`` consecutive dp ranks (inside a node when it fits one), a
 replica group has stride ``dp_shard * tp`` (it spans the nodes).
@@ -18,6 +19,8 @@ KINDS = ("single", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d", "ps")
 """Layout kinds, named as ``shardwise train --strategy`` names them."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 """Pipeline schedules, named as ``shardwise train --schedule`` names them."""
+CP_IMPLS = ("ring", "ulysses")
+"""Context parallelism's attention, named as ``shardwise train --cp-impl`` names them."""
 OFFLOADS = ("none", "cpu", "disk")
 """Where offloaded state lives: on the device (none), in host memory (cpu), on NVMe (disk)."""
 RECOMPUTE = ("none", "selective", "full")
@@ -86,6 +89,15 @@ class Layout:
     dp_shard``; ZeRO shards over the ``dp_shard`` ranks of a group and each reduced gradient
     shard is averaged across the groups. 1: shard over all of dp (``shardwise train
     --dp-replicate R --dp-shard S``)."""
+    cp: int = 1
+    """Context-parallel size (``shardwise train --cp``): every sequence cut over ``cp`` ranks,
+    each holding the activations of ``seq_len / cp`` positions and computing their share of
+    attention; the cp ranks of a replica train on the same rows, so gradients are averaged
+    and ZeRO states sharded over dp x cp. Not with pp, HSDP, sp or parameter servers (as
+    ``shardwise train`` refuses them)."""
+    cp_impl: str = "ring"
+    """ring (keys and values passed round the cp ranks, p2p) or ulysses (an all-to-all to
+    head-split before attention, one back); see comm.cp_time."""
     bucket_bytes: int = 25 * 2**20
     """Gradient bucket size for DDP / ZeRO reductions (torch DDP's default, 25 MiB)."""
 
@@ -138,11 +150,19 @@ class Layout:
         if self.sequence_parallel and self.tp < 2:
             raise PlanError("sequence_parallel", True, "needs tensor parallelism (it splits "
                             "activations by tp)", "use sequence parallelism with tp >= 2")
+        if self.cp < 1 or self.cp_impl not in CP_IMPLS:
+            raise PlanError("cp", f"{self.cp} {self.cp_impl}", "is not a context-parallel "
+                            "size and implementation", "use cp >= 1 with ring or ulysses")
+        if self.cp > 1 and (self.pp > 1 or self.hsdp or self.sequence_parallel or self.num_ps):
+            raise PlanError("cp", self.cp, "does not run with pipelines, HSDP, sequence "
+                            "parallelism or parameter servers (shardwise train refuses them)",
+                            "use cp with dp, ZeRO and tp only")
 
     @property
     def dp_shard(self) -> int:
-        """Ranks one ZeRO shard group spans: dp / dp_replicate (all of dp without HSDP)."""
-        return self.dp // self.dp_replicate
+        """Ranks one ZeRO shard group spans: dp x cp / dp_replicate (all of dp x cp without
+        HSDP; cp > 1 excludes HSDP)."""
+        return self.dp * self.cp // self.dp_replicate
 
     @property
     def hsdp(self) -> bool:
@@ -166,8 +186,8 @@ class Layout:
 
     @property
     def world(self) -> int:
-        """Devices used: dp * tp * pp, plus the parameter servers."""
-        return self.dp * self.tp * self.pp + self.num_ps
+        """Devices used: dp * cp * tp * pp, plus the parameter servers."""
+        return self.dp * self.cp * self.tp * self.pp + self.num_ps
 
     @property
     def kind(self) -> str:
@@ -175,13 +195,13 @@ class Layout:
         if self.num_ps:
             return "ps"
         split = [n for n in ("dp", "tp", "pp") if getattr(self, n) > 1]
-        if split in (["tp"], ["pp"]) and not self.zero:
+        if split in (["tp"], ["pp"]) and not self.zero and self.cp == 1:
             return split[0]
         if self.tp > 1 or self.pp > 1:
             return "3d"
         if self.zero:
             return f"zero{self.zero}"
-        return "ddp" if self.dp > 1 else "single"
+        return "ddp" if self.dp * self.cp > 1 else "single"
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches each replica runs per step (rounded up: the last may be short)."""
@@ -208,6 +228,8 @@ class Layout:
                                           if self.virtual_stages > 1 else ""))
         if self.sequence_parallel:
             parts.append("sp")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp} {self.cp_impl}")
         parts.append(f"mb={self.micro_batch}")
         parts.append(f"recompute={self.recompute}")
         return " ".join(parts)

@@ -160,16 +160,21 @@ def model_states(p_dev: float, layout: Layout, batch: Batch) -> tuple[dict[str, 
 
 
 def activation_per_layer(model: ModelSpec, layout: Layout, batch: Batch, full: bool) -> float:
-    """Bytes one block keeps for one micro-batch; ``full=False`` gives the checkpointed input."""
-    s, b, h, t = model.seq_len, layout.micro_batch, model.hidden, layout.tp
+    """Bytes one block keeps for one micro-batch; ``full=False`` gives the checkpointed input.
+    Context parallelism: each rank keeps ``s / cp`` positions; ring attention keeps no scores
+    (each block is recomputed from its log-sum-exp), Ulysses keeps the scores of ``a / cp``
+    heads over the whole sequence unless the attention is fused."""
+    s, b, h, t, cp = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.cp
     scale = 1 if batch.mixed else 2
     sp = t if layout.sequence_parallel else 1
     if not full:
-        return scale * 2 * s * b * h / sp
+        return scale * 2 * s * b * h / sp / cp
     unsplit = 10 / sp
     split = (8 + 4 * model.ffn / h) / t
-    dropped = layout.selective_recompute or model.fused_attention     # no s x s kept
-    attention = 0.0 if dropped else 5 * model.heads * s * s * b / t
+    dropped = layout.selective_recompute or model.fused_attention \
+        or (cp > 1 and layout.cp_impl == "ring")                         # no s x s kept
+    attention = 0.0 if dropped else 5 * model.heads * s * s * b / t / cp
+    s = s / cp
     return scale * (s * b * h * (unsplit + split) + attention)
 
 
@@ -195,7 +200,7 @@ def stage_activations(model: ModelSpec, layout: Layout, batch: Batch, stage: int
     else:
         held = in_flight * layers * full
     if stage == pp - 1:
-        held += 4 * model.seq_len * layout.micro_batch * model.vocab / layout.tp
+        held += 4 * model.seq_len * layout.micro_batch * model.vocab / layout.tp / layout.cp
     return held
 
 
@@ -214,13 +219,13 @@ def buffer_parts(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float,
     parameters, the larger)."""
     grad_bytes = state_bytes(batch)["gradients"]
     parts = {"buckets": 0.0, "gathered": 0.0, "boundary": 0.0, "backend": 0.0}
-    if layout.dp > 1 or layout.offloaded:
+    if layout.dp * layout.cp > 1 or layout.offloaded:
         parts["buckets"] = 2 * min(layout.bucket_bytes, grad_bytes * p_dev)
     if layout.zero >= 3:
         parts["gathered"] = 2 * state_bytes(batch)["parameters"] * model.layer_params / layout.tp
     if layout.pp > 1:
         parts["boundary"] = 2 * 2 * model.seq_len * layout.micro_batch * model.hidden / layout.tp
-    if copies and layout.dp > 1 and layout.zero and not layout.num_ps:
+    if copies and layout.dp * layout.cp > 1 and layout.zero and not layout.num_ps:
         whole = {1: grad_bytes * p_dev, 2: parts["buckets"], 3: parts["gathered"]}[layout.zero]
         if layout.pp > 1:
             whole = max(grad_bytes, state_bytes(batch)["parameters"]) * p_dev
@@ -245,7 +250,7 @@ def peak_instant(device: dict[str, float], parts: dict[str, float], layout: Layo
     gradients in a flat buffer that persists: DDP's and ZeRO-1's buckets, the contiguous
     gradient buffer of tensor and pipeline parallelism (Megatron's; shardwise's DDP buckets
     under a pipeline), a parameter-server worker's."""
-    alone = layout.dp == layout.tp == layout.pp == 1 and not layout.num_ps
+    alone = layout.dp == layout.cp == layout.tp == layout.pp == 1 and not layout.num_ps
     transient = microbatches == 1 and (layout.zero >= 2 or alone)
     grads = device["gradients"] if transient else 0.0
     persistent = sum(device[k] for k in ("parameters", "master_weights", "optimizer_states"))

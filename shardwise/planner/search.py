@@ -7,7 +7,9 @@ ZeRO-1 in 3D layouts (as Megatron-DeepSpeed allows); the optimizer offloaded to 
 with ZeRO 1-3, and ZeRO-3 with the parameters offloaded to the same place (``shardwise train
 --offload cpu|disk --offload-params``); HSDP for pure data parallelism: every split of dp into
 ``dp_replicate`` x ``dp_shard`` replica groups of shard groups (both above 1) at ZeRO 1-3;
-sequence parallelism on and off wherever tp > 1; recompute none or full; micro-batches of 1, 2,
+sequence parallelism on and off wherever tp > 1; context parallelism (cp = 2, 4, ... dividing
+the devices, ring and Ulysses where the heads allow, without pp) from sequences of ``CP_FROM``
+positions; recompute none or full; micro-batches of 1, 2,
 4, ... sequences up to a replica's share of the global batch; GPipe and 1F1B; 1, 2, 4, ...
 parameter servers.
 
@@ -83,6 +85,27 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
+CP_FROM = 8192
+"""The sequence length from which the search tries context parallelism: below it one sequence's
+activations are small next to the model states on the machines the planner targets, and cp's
+attention traffic per token grows while its saving shrinks (torchtitan's CP runs start at 32k)."""
+
+
+def _cps(n: int, pp: int, model: ModelSpec) -> list[int]:
+    """Context-parallel sizes for ``n`` devices per (tp, pp) choice: 1, and every divisor whose
+    2 x cp chunks divide the sequence, for a long sequence without a pipeline."""
+    if pp > 1 or model.seq_len < CP_FROM:
+        return [1]
+    return [c for c in _divisors(n) if c == 1 or model.seq_len % (2 * c) == 0]
+
+
+def _cp_impls(cp: int, tp: int, model: ModelSpec) -> list[str]:
+    """ring always; Ulysses where cp divides a rank's heads."""
+    if cp == 1:
+        return ["ring"]
+    return ["ring"] + (["ulysses"] if (model.heads // tp) % cp == 0 else [])
+
+
 TIE_BAND = 0.10
 """Relative step-time difference below which two layouts are a tie: the model's stated error
 band on published runs (GPT-3 175B's 34 days, docs/planner.md: within 10%)."""
@@ -116,13 +139,16 @@ def layouts(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | Non
         if model.heads % tp or world % tp:
             continue
         for pp in (p for p in _divisors(world // tp) if p <= model.layers):
-            dp = world // (tp * pp)
-            pure = tp == pp == 1
-            for zero, offload, params in _zero_options(dp, pure, everything):
-                for replicas in _replicas(dp, pure, zero):
-                    base = Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=offload,
-                                  offload_params=params, dp_replicate=replicas)
-                    yield from _variants(base, model, batch, micro_batch, everything)
+            for cp in _cps(world // (tp * pp), pp, model):
+                dp = world // (tp * pp * cp)
+                pure = tp == pp == 1
+                for zero, offload, params in _zero_options(dp * cp, pure, everything):
+                    for replicas in _replicas(dp, pure and cp == 1, zero):
+                        for impl in _cp_impls(cp, tp, model):
+                            base = Layout(dp=dp, tp=tp, pp=pp, zero=zero, offload=offload,
+                                          offload_params=params, dp_replicate=replicas, cp=cp,
+                                          cp_impl=impl)
+                            yield from _variants(base, model, batch, micro_batch, everything)
     for num_ps in _powers_of_two(world // 2):
         yield from _variants(Layout(dp=world - num_ps, num_ps=num_ps), model, batch,
                              micro_batch, everything)
@@ -145,7 +171,7 @@ def _variants(base: Layout, model: ModelSpec, batch: Batch, micro_batch: int | N
     share = batch.global_batch // base.dp
     sizes = [micro_batch] if micro_batch else _powers_of_two(share)
     recomputes = [(False, False), (True, False)] + ([(False, True)] if everything else [])
-    sps = (False, True) if base.tp > 1 else (False,)
+    sps = (False, True) if base.tp > 1 and base.cp == 1 else (False,)
     for mb in (s for s in sizes if s <= share):
         for full, selective in recomputes:
             for schedule, v in _schedules(base.pp, model.layers, everything):
@@ -160,7 +186,7 @@ def _family(lay: Layout) -> tuple:
     split and sequence parallelism make families of their own: ``--strategy auto`` may have
     only one of them to run)."""
     return (lay.kind, lay.dp, lay.tp, lay.pp, lay.zero, lay.offload, lay.offload_params,
-            lay.num_ps, lay.dp_replicate, lay.sequence_parallel)
+            lay.num_ps, lay.dp_replicate, lay.sequence_parallel, lay.cp, lay.cp_impl)
 
 
 def complexity(layout: Layout) -> int:
@@ -169,7 +195,7 @@ def complexity(layout: Layout) -> int:
     parameter servers, schedules beyond GPipe / 1F1B."""
     return (layout.zero + (layout.offload != "none") + (layout.offload_params != "none")
             + (layout.recompute != "none") + (layout.tp > 1) + (layout.pp > 1)
-            + layout.hsdp + layout.sequence_parallel
+            + layout.hsdp + layout.sequence_parallel + (layout.cp > 1)
             + bool(layout.num_ps) + (layout.schedule in ("interleaved-1f1b", "zb-h1")))
 
 
@@ -230,7 +256,12 @@ def plan(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | None =
     without_sp = None
     if winner is not None and winner.layout.sequence_parallel:
         without_sp = estimate(replace(winner.layout, sequence_parallel=False), model, hw, batch)
-    note = axes_note(winner, fitting, hw, without_sp, tied)
+    without_cp = None
+    if winner is not None and winner.layout.cp > 1:
+        lay = winner.layout
+        without_cp = estimate(replace(lay, dp=lay.dp * lay.cp, cp=1, cp_impl="ring"), model,
+                              hw, batch)
+    note = axes_note(winner, fitting, hw, without_sp, tied, without_cp)
     text = text + ("\n" + note if note else "")
     return Ranking(model=model, hardware=hw, batch=batch, ranked=ranked,
                 ties=sum(id(e) in tie_ids for e in ranked), band=band, per_kind=per_kind,

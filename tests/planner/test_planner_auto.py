@@ -93,6 +93,9 @@ CASES = [
      {"strategy": "zero3", "dp": 4, "dp_replicate": 2, "dp_shard": 2}),
     (Layout(dp=2, zero=3, offload="cpu", offload_params="cpu", micro_batch=4), 2,
      {"strategy": "zero3", "offload": "cpu", "offload_params": True, "dp_shard": 0}),
+    (Layout(cp=2, micro_batch=8), 2, {"strategy": "ddp", "dp": 1, "cp": 2, "cp_impl": "ring"}),
+    (Layout(dp=2, cp=2, zero=3, cp_impl="ulysses", micro_batch=4), 4,
+     {"strategy": "zero3", "dp": 2, "cp": 2, "cp_impl": "ulysses"}),
 ]
 
 
