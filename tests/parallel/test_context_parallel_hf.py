@@ -9,8 +9,8 @@ with ZeRO-3 (world 4), each equal to one process on the whole batch: ranks seede
 before ``prepare``, two AdamW parameter groups, clipping that binds at every step, a user's own
 loss on ``engine(x)`` (the gathered logits) and shardwise's loss on each rank's positions.
 The attention alone with grouped-query heads (4 over 2, and over 1) equals torch's
-scaled_dot_product_attention (enable_gqa) on the whole sequence at 1024 positions (tests in
-test_context_parallel.py do 1024 and 4096 with as many key-value heads as query heads).
+scaled_dot_product_attention (enable_gqa) on the whole sequence at 1024 positions (cp 2, ring
+and Ulysses; cp 4, Ulysses over 1 key-value head) and 4096 (cp 4, ring and Ulysses over 2).
 A padding mask or labels in the batch are refused in one line (the ring is causal only).
 
 Tolerance: fp32 rtol 1e-5, atol 1e-5 (tests/reference.py), with assert_close_runs' strays rule
@@ -136,7 +136,8 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_world(_world, 4, WORLD4, [("ring", 2), ("ulysses", 2)], timeout=280)
+    return run_world(_world, 4, WORLD4, [("ring", 2, 4096), ("ulysses", 2, 4096),
+                                         ("ulysses", 1, 1024)], timeout=280)
 
 
 def _check(results, runs, references):
