@@ -1,6 +1,6 @@
 """Peak RSS per rank at a long sequence: one process against context parallel (``cp-memory``).
 
-    python -m shardwise.bench.cp_memory --save          # about 15 minutes on 2 cores
+    python -m shardwise.bench.cp_memory --save          # about 11 minutes on 2 cores
     python -m shardwise.bench.cp_memory --seq 4096 --long-seq 8192 --limit 600MiB   # a quick look
 
 Every run is ``shardwise train`` as a user types it, in a subprocess (torchrun is started by
