@@ -38,7 +38,9 @@ below follows it step by step):
                      causally balanced); the attention becomes ring attention or Ulysses
                      over ``mesh.cp_group``, positions and targets follow the cut
                      (parallel/context.py; meter ``cp_ring`` / ``cp_a2a``); the gradient sync
-                     of step 6 then runs over dp x cp (``mesh.grad_group``)
+                     of step 6 then runs over dp x cp (``mesh.grad_group``); under a pipeline
+                     the driver cuts each step's batch (its ``batch_view``), since stages never
+                     call the model's forward
  3. pipeline split   pp > 1: this rank keeps its stage, or its v chunks when interleaved
                      (parallel/pipeline/driver.cut)
  4. activation checkpointing   each of this rank's blocks recomputed in backward (memory/)
@@ -127,8 +129,9 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
         model, specs, loss_fn = split_from_rank0(model, mesh, comm, device, loss_fn, mat)
     if p.sequence_parallel:                                               # 2b
         apply_sequence_parallel(model, mesh, comm)
+    cp_batch = None
     if mesh.cp > 1:                                                       # 2c
-        apply_context_parallel(model, mesh, comm, p.cp_impl)
+        cp_batch = apply_context_parallel(model, mesh, comm, p.cp_impl)
         loss_fn = context_loss(loss_fn, comm, mesh.cp_group)
     cut = units = None
     if mesh.pp > 1:                                                       # 3
@@ -157,7 +160,9 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
         mat.release()
     if cut is None:                                                       # 8
         return grads
-    return driver.PipelineDriver(cfg, mesh, comm, device, loss_fn, cut, grads)
+    pipeline = driver.PipelineDriver(cfg, mesh, comm, device, loss_fn, cut, grads)
+    pipeline.batch_view = cp_batch or pipeline.batch_view   # 2c's cut of each step's batch
+    return pipeline
 
 
 def _tensor_plan(model: nn.Module, specs: dict, cut, comm: Comm, mesh: Mesh) -> TensorPlan | None:

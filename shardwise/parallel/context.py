@@ -42,8 +42,11 @@ Memory per rank: activations / N (every saved tensor has L = S/N positions; atte
 scores are (L x L) at most per ring step, (S x S) / N per head group under Ulysses); model
 states as the data-parallel stage keeps them over dp x cp.
 
-Not with (refused before launch, parallel/context_checks.py): pipelines, sequence parallelism,
-HSDP, dropout, LeNet; a model whose plan names no attention is refused here, in one line.
+Pipelines: stages never call the model's forward, so the driver cuts each step's batch with
+:func:`batch_cutter` (compose sets it); the boundary activations are then (b, L, h).
+
+Not with (refused before launch, parallel/context_checks.py): sequence parallelism, HSDP,
+dropout, LeNet; a model whose plan names no attention is refused here, in one line.
 """
 from __future__ import annotations
 
@@ -61,13 +64,13 @@ from shardwise.models.plans import plan_of
 IMPLS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 
-def apply_context_parallel(model: nn.Module, mesh, comm: Comm, impl: str) -> None:
+def apply_context_parallel(model: nn.Module, mesh, comm: Comm, impl: str):
     """Make ``model`` context parallel over ``mesh.cp_group`` in place (module docstring), by
     its plan's ``attention`` and ``positions`` (models/plans.py). Parameters are unchanged.
-    cp = 1: nothing."""
+    Returns the batch cut a pipeline applies (:func:`batch_cutter`); cp = 1: nothing, None."""
     group = mesh.cp_group
     if group.size == 1:
-        return
+        return None
     plan = plan_of(model)
     if plan is None or not plan.attention or not plan.positions:
         raise TypeError(f"context parallelism needs a model plan naming the attention modules "
@@ -81,8 +84,9 @@ def apply_context_parallel(model: nn.Module, mesh, comm: Comm, impl: str) -> Non
     if where == "module":                                # looked up by 0..L-1: global instead
         model.get_submodule(name).register_forward_pre_hook(
             lambda mod, args: (positions(args[0].numel() * n, n, r, args[0].device)[args[0]],))
-    model.register_forward_pre_hook(_cutter(plan, n, r, name if where == "argument" else None),
-                                    with_kwargs=True)
+    argument = name if where == "argument" else None
+    model.register_forward_pre_hook(_cutter(plan, n, r, argument), with_kwargs=True)
+    return batch_cutter(plan, n, r, argument)
 
 
 def _swap_attention(model: nn.Module, plan, attend) -> None:
@@ -102,35 +106,63 @@ def _swap_attention(model: nn.Module, plan, attend) -> None:
                         "method, or drop --cp")
 
 
+def _cut(plan, n: int, r: int, position_argument: str | None, ids, kwargs: dict, rows: int):
+    """This rank's positions of the token ids (B, S) and of every other per-position input; a
+    padding mask is refused (transformers builds none for routed attention, and the ring is
+    causal only), labels too (the model's own loss would shift inside each rank's chunks); the
+    global positions as ``position_argument`` ((rows, L): a pipeline chunks every input by
+    rows)."""
+    if not torch.is_tensor(ids) or ids.dim() != 2:
+        raise TypeError("context parallelism cuts a (batch, sequence) tensor of token ids; "
+                        f"got {type(ids).__name__}; fix: pass the ids as the first input")
+    seq = ids.shape[1]
+    mine = positions(seq, n, r, ids.device)
+    mask = kwargs.pop("attention_mask", None)
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("a padding attention_mask under context parallelism: not built "
+                         "(the ring and Ulysses are causal only); fix: batches without "
+                         "padding, or drop --cp")
+    if kwargs.get("labels") is not None:
+        raise ValueError("labels under context parallelism: the model's own loss would "
+                         "shift the targets inside each rank's chunks; fix: drop labels "
+                         "and let shardwise's loss (or yours on engine(x)) read the targets")
+    for key, value in kwargs.items():
+        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == seq:
+            kwargs[key] = value[:, mine]
+    if position_argument is not None and kwargs.get(position_argument) is None:
+        kwargs[position_argument] = mine[None].expand(rows, -1)
+    return ids[:, mine], kwargs
+
+
 def _cutter(plan, n: int, r: int, position_argument: str | None):
-    """The model's forward pre-hook: this rank's positions of the token ids and of every other
-    per-position input (a padding mask is refused: transformers builds none for routed
-    attention, and the ring is causal only); the global positions as ``position_argument``."""
+    """The model's forward pre-hook: :func:`_cut` on its ids and keyword inputs."""
     def cut(module, args, kwargs):
         kwargs = dict(kwargs)
         if args:
             kwargs[plan.ids], args = args[0], args[1:]
-        ids = kwargs.get(plan.ids)
-        if not torch.is_tensor(ids) or ids.dim() != 2:
-            raise TypeError("context parallelism cuts a (batch, sequence) tensor of token ids; "
-                            f"got {type(ids).__name__}; fix: pass the ids as the first input")
-        seq = ids.shape[1]
-        mine = positions(seq, n, r, ids.device)
-        mask = kwargs.pop("attention_mask", None)
-        if mask is not None and not bool(mask.all()):
-            raise ValueError("a padding attention_mask under context parallelism: not built "
-                             "(the ring and Ulysses are causal only); fix: batches without "
-                             "padding, or drop --cp")
-        if kwargs.get("labels") is not None:
-            raise ValueError("labels under context parallelism: the model's own loss would "
-                             "shift the targets inside each rank's chunks; fix: drop labels "
-                             "and let shardwise's loss (or yours on engine(x)) read the targets")
-        for key, value in kwargs.items():
-            if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == seq:
-                kwargs[key] = value[:, mine]
-        if position_argument is not None and kwargs.get(position_argument) is None:
-            kwargs[position_argument] = mine[None]
+        ids = kwargs.pop(plan.ids, None)
+        rows = ids.shape[0] if torch.is_tensor(ids) else 1
+        ids, kwargs = _cut(plan, n, r, position_argument, ids, kwargs, rows)
+        kwargs[plan.ids] = ids
         return args, kwargs
+    return cut
+
+
+def batch_cutter(plan, n: int, r: int, position_argument: str | None):
+    """For a pipeline, whose stages never call the model's forward: the step's batch (token
+    ids, or a dict of the model's inputs) cut to this rank's positions before it is split into
+    micro-batches (a tensor of ids becomes a dict when positions enter as an argument)."""
+    def cut(batch):
+        if torch.is_tensor(batch):
+            ids, rest = _cut(plan, n, r, position_argument, batch, {}, batch.shape[0])
+            return ids if not rest else {plan.ids: ids, **rest}
+        if not isinstance(batch, dict) or plan.ids not in batch:
+            raise ValueError(f"context parallelism under a pipeline cuts a batch of token ids "
+                             f"or a dict holding {plan.ids!r}; fix: pass one of those")
+        rest = {k: v for k, v in batch.items() if k != plan.ids}
+        ids, rest = _cut(plan, n, r, position_argument, batch[plan.ids], rest,
+                         batch[plan.ids].shape[0])
+        return {plan.ids: ids, **rest}
     return cut
 
 

@@ -1,7 +1,7 @@
 """Context parallelism's own constraints (``--cp``, ``--cp-impl``), checked before launch; pure.
 It cuts every sequence into 2 x cp chunks (parallel/context.py), so the sequence length must
-divide by 2 x cp; Ulysses splits the heads (tp-local) over cp. Not built yet with pipelines,
-sequence parallelism, HSDP or dropout: each refused here. Models: shardwise's GPT, Hugging Face
+divide by 2 x cp; Ulysses splits the heads (tp-local) over cp. Not built yet with sequence
+parallelism, HSDP or dropout: each refused here. Models: shardwise's GPT, Hugging Face
 GPT-2 and Llama, and a person's model whose plan names its attention and positions (checked
 when the model is prepared: parallel/context.py); LeNet is refused here."""
 from __future__ import annotations
@@ -35,8 +35,7 @@ def check(cfg: Config, world_size: int) -> None:
         raise ConfigError("parallel.cp_impl", "ulysses", f"splits the {heads} heads of a rank "
                           f"(n_head {m.n_head} / tp {p.tp}) over cp = {p.cp}, which do not divide "
                           "them", f"--cp-impl ring, or a --cp that divides {heads}")
-    for on, field, value, what in ((p.pp > 1, "parallel.pp", p.pp, "a pipeline"),
-                                   (p.sequence_parallel, "parallel.sequence_parallel", True,
+    for on, field, value, what in ((p.sequence_parallel, "parallel.sequence_parallel", True,
                                     "sequence parallelism"),
                                    (p.dp_shard > 0 or p.dp_replicate > 0, "parallel.dp_shard",
                                     p.dp_shard, "HSDP"),

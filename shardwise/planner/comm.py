@@ -220,13 +220,13 @@ def p2p_stage_time(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch)
     if layout.pp <= 1:
         return 0.0
     bw, alpha = hw.intra_bw, hw.intra_latency
-    if layout.tp * layout.dp * layout.pp > hw.devices_per_node:
+    if layout.tp * layout.cp * layout.dp * layout.pp > hw.devices_per_node:
         # Some stage boundary crosses nodes; there all of a stage's devices on the node
-        # (tp * dp of them, at most a node) send through the node's adapters at once.
-        senders = min(hw.devices_per_node, layout.tp * layout.dp)
+        # (tp * cp * dp of them, at most a node) send through the node's adapters at once.
+        senders = min(hw.devices_per_node, layout.tp * layout.cp * layout.dp)
         bw, alpha = min(hw.intra_bw, hw.inter_bw / senders), hw.inter_latency
     act = 2 if batch.mixed else 4
-    k = layout.micro_batch * model.seq_len * model.hidden * act / layout.tp
+    k = layout.micro_batch * model.seq_len * model.hidden * act / layout.tp / layout.cp
     # no collective_overhead: a one-way transfer's sender does not wait for its receiver
     # (measured here: a 1 MiB send after 8 ms of compute costs 0.2-1.8 ms, an allreduce 3-4 ms)
     return 2 * p2p_time(k, bw, alpha)

@@ -92,9 +92,9 @@ class Layout:
     cp: int = 1
     """Context-parallel size (``shardwise train --cp``): every sequence cut over ``cp`` ranks,
     each holding the activations of ``seq_len / cp`` positions and computing their share of
-    attention; the cp ranks of a replica train on the same rows, so gradients are averaged
-    and ZeRO states sharded over dp x cp. Not with pp, HSDP, sp or parameter servers (as
-    ``shardwise train`` refuses them)."""
+    attention (a pipeline's boundary activations too); the cp ranks of a replica train on the
+    same rows, so gradients are averaged and ZeRO states sharded over dp x cp. Not with HSDP,
+    sp or parameter servers (as ``shardwise train`` refuses them)."""
     cp_impl: str = "ring"
     """ring (keys and values passed round the cp ranks, p2p) or ulysses (an all-to-all to
     head-split before attention, one back); see comm.cp_time."""
@@ -153,10 +153,10 @@ class Layout:
         if self.cp < 1 or self.cp_impl not in CP_IMPLS:
             raise PlanError("cp", f"{self.cp} {self.cp_impl}", "is not a context-parallel "
                             "size and implementation", "use cp >= 1 with ring or ulysses")
-        if self.cp > 1 and (self.pp > 1 or self.hsdp or self.sequence_parallel or self.num_ps):
-            raise PlanError("cp", self.cp, "does not run with pipelines, HSDP, sequence "
-                            "parallelism or parameter servers (shardwise train refuses them)",
-                            "use cp with dp, ZeRO and tp only")
+        if self.cp > 1 and (self.hsdp or self.sequence_parallel or self.num_ps):
+            raise PlanError("cp", self.cp, "does not run with HSDP, sequence parallelism or "
+                            "parameter servers (shardwise train refuses them)",
+                            "use cp with dp, ZeRO, tp and pp only")
 
     @property
     def dp_shard(self) -> int:

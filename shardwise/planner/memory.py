@@ -224,7 +224,8 @@ def buffer_parts(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float,
     if layout.zero >= 3:
         parts["gathered"] = 2 * state_bytes(batch)["parameters"] * model.layer_params / layout.tp
     if layout.pp > 1:
-        parts["boundary"] = 2 * 2 * model.seq_len * layout.micro_batch * model.hidden / layout.tp
+        parts["boundary"] = (2 * 2 * model.seq_len * layout.micro_batch * model.hidden
+                             / layout.tp / layout.cp)
     if copies and layout.dp * layout.cp > 1 and layout.zero and not layout.num_ps:
         whole = {1: grad_bytes * p_dev, 2: parts["buckets"], 3: parts["gathered"]}[layout.zero]
         if layout.pp > 1:

@@ -8,8 +8,7 @@ with ZeRO 1-3, and ZeRO-3 with the parameters offloaded to the same place (``sha
 --offload cpu|disk --offload-params``); HSDP for pure data parallelism: every split of dp into
 ``dp_replicate`` x ``dp_shard`` replica groups of shard groups (both above 1) at ZeRO 1-3;
 sequence parallelism on and off wherever tp > 1; context parallelism (cp = 2, 4, ... dividing
-the devices, ring and Ulysses where the heads allow, without pp) from sequences of ``CP_FROM``
-positions; recompute none or full; micro-batches of 1, 2,
+the devices, ring and Ulysses where the heads allow) from sequences of ``CP_FROM`` positions; recompute none or full; micro-batches of 1, 2,
 4, ... sequences up to a replica's share of the global batch; GPipe and 1F1B; 1, 2, 4, ...
 parameter servers.
 
@@ -91,10 +90,10 @@ activations are small next to the model states on the machines the planner targe
 attention traffic per token grows while its saving shrinks (torchtitan's CP runs start at 32k)."""
 
 
-def _cps(n: int, pp: int, model: ModelSpec) -> list[int]:
+def _cps(n: int, model: ModelSpec) -> list[int]:
     """Context-parallel sizes for ``n`` devices per (tp, pp) choice: 1, and every divisor whose
-    2 x cp chunks divide the sequence, for a long sequence without a pipeline."""
-    if pp > 1 or model.seq_len < CP_FROM:
+    2 x cp chunks divide the sequence, for a long sequence."""
+    if model.seq_len < CP_FROM:
         return [1]
     return [c for c in _divisors(n) if c == 1 or model.seq_len % (2 * c) == 0]
 
@@ -139,7 +138,7 @@ def layouts(model: ModelSpec, hw: Hardware, batch: Batch, micro_batch: int | Non
         if model.heads % tp or world % tp:
             continue
         for pp in (p for p in _divisors(world // tp) if p <= model.layers):
-            for cp in _cps(world // (tp * pp), pp, model):
+            for cp in _cps(world // (tp * pp), model):
                 dp = world // (tp * pp * cp)
                 pure = tp == pp == 1
                 for zero, offload, params in _zero_options(dp * cp, pure, everything):

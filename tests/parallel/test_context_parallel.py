@@ -225,7 +225,6 @@ def test_bad_cp_settings_are_refused_in_one_line(capsys):
     assert "heads" in _cli_error(capsys, "--cp", "4", "--cp-impl", "ulysses", "--n-head", "2",
                                  "--n-embd", "32")
     assert "--cp" in _cli_error(capsys, "--cp-impl", "ulysses")        # read only with --cp
-    assert "pipeline" in _cli_error(capsys, "--cp", "2", "--pp", "2")
     assert "sequence parallelism" in _cli_error(capsys, "--cp", "2", "--tp", "2", "--sp")
     assert "LeNet reads images" in _cli_error(capsys, "--cp", "2", "--model", "lenet",
                                              "--dataset", "digits")

@@ -4,8 +4,10 @@ Hugging Face Llama (rotary positions given as each rank's global position_ids, 4
 2 key-value heads: the ring carries the 2 key-value heads, Ulysses splits them at cp 2 and
 expands them to the 4 query heads first at cp 4) and Hugging Face GPT-2 (learned positions read
 through position_ids, tied lm_head / wte, Conv1D) train under cp 2 (world 2, ring and Ulysses)
-and cp 4 (world 4, both), and shardwise's GPT under cp 2 x tp 2 and Llama under dp 2 x cp 2
-with ZeRO-3 (world 4), each equal to one process on the whole batch: ranks seeded differently
+and cp 4 (world 4, both), shardwise's GPT under cp 2 x tp 2, Llama under dp 2 x cp 2 with
+ZeRO-3, and pipelines: Llama pp 2 x cp 2 (1F1B, ring) and our GPT pp 2 x cp 2 (GPipe, Ulysses,
+ZeRO-3) through engine.train_step and engine.evaluate (world 4), each equal to one process on
+the whole batch: ranks seeded differently
 before ``prepare``, two AdamW parameter groups, clipping that binds at every step, a user's own
 loss on ``engine(x)`` (the gathered logits) and shardwise's loss on each rank's positions.
 The attention alone with grouped-query heads (4 over 2, and over 1) equals torch's
@@ -16,6 +18,8 @@ A padding mask or labels in the batch are refused in one line (the ring is causa
 Tolerance: fp32 rtol 1e-5, atol 1e-5 (tests/reference.py), with assert_close_runs' strays rule
 where Adam meets a near-zero gradient, lr 1e-3 as in test_hf_layouts.py.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,6 +68,19 @@ def _loop(rank, family, tag, cfg):
     return out
 
 
+def _pipeline_loop(rank, family, cfg):
+    """Under a pipeline no rank holds the whole model: engine.train_step, clipping by
+    train.grad_clip (the driver cuts each step's batch to this rank's positions)."""
+    import shardwise
+    engine = shardwise.prepare(BUILD[family](SEED + rank), two_groups(LR), cfg,
+                               loss_fn=lm_loss if family != "gpt" else None)
+    losses = [engine.train_step(*engine.shard(x, y)) for x, y in token_batches(STEPS, BATCH)]
+    val, _ = engine.evaluate(*engine.shard(*token_batches(1, BATCH, seed=9)[0]))
+    out = dict(losses=losses, params=engine.full_state_dict(), val=val)
+    engine.close()
+    return out
+
+
 def _gqa_attention(rank, n, impl, kv_heads, seq=1024):
     """Ring or Ulysses with grouped-query heads against sdpa(enable_gqa) on the whole sequence:
     the largest difference of the output and of each gradient."""
@@ -104,8 +121,9 @@ def _refusals(rank):
     return out
 
 
-def _world(rank, n, runs, attention):
+def _world(rank, n, runs, attention, pipelines=()):
     out = {tag: _loop(rank, family, tag, cfg) for family, tag, cfg in runs}
+    out.update({tag: _pipeline_loop(rank, family, cfg) for family, tag, cfg in pipelines})
     out["attention"] = {key: _gqa_attention(rank, n, *key) for key in attention}
     if n == 2:
         out["refusals"] = _refusals(rank)
@@ -122,10 +140,31 @@ WORLD4 = [("llama", "llama-ring-cp4", _cfg(cp=4)),
           ("gpt", "gpt-cp2-tp2-ulysses", _cfg("3d", tp=2, impl="ulysses"))]
 
 
+def _pp_cfg(schedule="1f1b", **parallel):
+    cfg = _cfg("3d", pp=2, num_microbatches=2, schedule=schedule, **parallel)
+    return replace(cfg, train=replace(cfg.train, grad_clip=MAX_NORM))
+
+
+PIPELINES = [("llama", "llama-pp2-cp2", _pp_cfg()),
+             ("gpt", "gpt-pp2-cp2-ulysses-zero3", _pp_cfg("gpipe", impl="ulysses",
+                                                          zero_stage=3))]
+
+
+def _evaluated(family):
+    """One process's loss on the evaluation batch after the reference's training."""
+    model = BUILD[family](SEED)
+    ref = one_process_loop(model, LR, MAX_NORM, STEPS, BATCH)
+    x, y = token_batches(1, BATCH, seed=9)[0]
+    with torch.no_grad():
+        out = model(x)
+        logits = out if torch.is_tensor(out) else out["logits"]
+        ref["val"] = float(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+    return ref
+
+
 @pytest.fixture(scope="module")
 def references():
-    return {family: one_process_loop(BUILD[family](SEED), LR, MAX_NORM, STEPS, BATCH)
-            for family in BUILD}
+    return {family: _evaluated(family) for family in BUILD}
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +176,16 @@ def world2():
 @pytest.fixture(scope="module")
 def world4():
     return run_world(_world, 4, WORLD4, [("ring", 2, 4096), ("ulysses", 2, 4096),
-                                         ("ulysses", 1, 1024)], timeout=280)
+                                         ("ulysses", 1, 1024)], PIPELINES, timeout=280)
 
 
 def _check(results, runs, references):
     for r in results:
         for family, tag, _ in runs:
             got, ref = r[tag], references[family]
-            for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
+            if "val" in got:                        # a pipeline: evaluate's loss too
+                assert abs(got["val"] - ref["val"]) <= ATOL + RTOL * ref["val"], tag
+            for step, (a, b) in enumerate(zip(got.get("norms", ()), ref["norms"])):
                 assert b > MAX_NORM, "clipping must bind for the test to mean anything"
                 assert abs(a - b) <= ATOL + RTOL * b, f"{tag} step {step}: norm {a} vs {b}"
             assert_close_runs(got["losses"], ref["losses"], got["params"], ref["params"], RTOL,
@@ -165,6 +206,10 @@ def test_llama_and_gpt2_under_cp2_equal_one_process(world2, references):
 
 def test_cp4_dp_x_cp_and_cp_x_tp_equal_one_process(world4, references):
     _check(world4, WORLD4, references)
+
+
+def test_pipeline_x_cp_equals_one_process(world4, references):
+    _check(world4, PIPELINES, references)
 
 
 def test_grouped_query_attention_equals_sdpa(world2, world4):

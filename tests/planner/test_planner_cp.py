@@ -60,6 +60,16 @@ def test_states_shard_and_gradients_average_over_dp_x_cp():
     assert Layout(cp=2).kind == "ddp" and Layout(cp=2, tp=2).kind == "3d"
 
 
+def test_a_pipeline_under_cp_sends_a_cp_th_of_each_boundary_activation():
+    from shardwise.planner import comm
+    one = comm.p2p_stage_time(Layout(pp=2, dp=4), LONG, HW, BATCH)
+    four = comm.p2p_stage_time(Layout(pp=2, cp=4), LONG, HW, BATCH)
+    bw = HW.intra_bw
+    act = 2 * LONG.seq_len * LONG.hidden * 2                   # mb 1, bf16, both directions
+    assert one - four == pytest.approx(act * (1 - 1 / 4) / bw, rel=1e-9)
+    assert any(lay.cp > 1 and lay.pp > 1 for lay in layouts(LONG, HW, BATCH))
+
+
 def test_search_tries_cp_only_for_long_sequences_and_explains_it():
     short = replace(LONG, seq_len=CP_FROM // 2)
     assert all(lay.cp == 1 for lay in layouts(short, HW, BATCH))
@@ -73,7 +83,7 @@ def test_search_tries_cp_only_for_long_sequences_and_explains_it():
 
 def test_bad_cp_layouts_are_refused_with_the_field():
     with pytest.raises(PlanError, match="cp"):
-        Layout(cp=2, pp=2)
+        Layout(cp=2, dp=2, dp_replicate=2, zero=3)
     with pytest.raises(PlanError, match="cp"):
         Layout(cp=2, cp_impl="allgather")
     with pytest.raises(PlanError, match="2 x cp"):

@@ -118,6 +118,12 @@ class PipelineDriver(Strategy):
         self.steps_done, self.last_records, self.report = 0, None, None
         self._png = self._png_path()
 
+    @staticmethod
+    def batch_view(batch):
+        """What this rank's stages read of a step's batch: all of it (compose may set another
+        view: context parallelism's cut to this rank's positions)."""
+        return batch
+
     def _png_path(self) -> str | None:
         lg = self.cfg.logging
         if lg.schedule_png == "off":
@@ -143,6 +149,7 @@ class PipelineDriver(Strategy):
         """``x``: token ids, or a tuple / dict of the model's inputs (stage.split_batch); ``y``:
         the targets, or None with the model's own loss (labels in ``x``)."""
         m, passes = self.microbatches, self.grad_accum
+        x = self.batch_view(x)
         total = torch.zeros((), device=self.device)
         for k, (xa, ya) in enumerate(zip(batches.chunk(x, passes), batches.chunk(y, passes))):
             self.grads.begin_pass()
@@ -188,7 +195,7 @@ class PipelineDriver(Strategy):
     @torch.no_grad()
     def evaluate(self, x, y):
         self.model.eval()
-        out = evaluate_stages(self.executor, x, self.cut.width)
+        out = evaluate_stages(self.executor, self.batch_view(x), self.cut.width)
         self.model.train()
         if self.mesh.is_last_stage:
             loss = self.loss_fn(out, batches.to(y, self.device))
