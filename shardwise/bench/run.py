@@ -40,7 +40,7 @@ QUICK = ("single-vs-torch", "single-defaults-vs-torch-defaults", "ddp-vs-torch-d
          "zero1-vs-torch-zero", "zero2-vs-fsdp2", "zero3-vs-fsdp2", "zero3-memory-57m-vs-fsdp2",
          "mp-tp-vs-dtensor", "mp-pp-1f1b-vs-torch", "compose-zero3-tp-vs-fsdp2-tp",
          "ps-sync-straggler3x", "ps-async-straggler3x", "ps-ssp2-straggler3x", "ring-busbw-w2",
-         "hf-llama-tp-vs-dtensor")
+         "hf-llama-tp-vs-dtensor", "cp-ring-vs-ulysses-long")
 QUICK_REPS = 2
 
 
