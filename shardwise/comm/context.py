@@ -82,33 +82,48 @@ def _done(pending) -> torch.Tensor:
 
 # One block: (out, lse) of queries against keys, and its gradients given the whole attention's
 # out and lse (FlashAttention's backward: P = exp(S - lse), D = rowsum(dout * out)). On CPU
-# torch's flash kernel does both without materialising the (rows x cols) scores; elsewhere the
-# scores are computed explicitly. The diagonal block is plain causal on the local order: the
-# local positions [chunk r | chunk 2N-1-r] increase, so "key at or before query" by global
-# position is "key index <= query index" locally.
-def _block_forward(q, k, v, causal: bool, scale: float):
-    if q.device.type == "cpu":
+# torch's flash kernel does both without materialising the (rows x cols) scores; elsewhere, or
+# with a key mask (padding), the scores are computed explicitly. The diagonal block is plain
+# causal on the local order: the local positions [chunk r | chunk 2N-1-r] increase, so "key at
+# or before query" by global position is "key index <= query index" locally. ``keep``: (B, cols)
+# booleans, False for a padding key; a row that sees no key gets out 0 and lse -inf, as torch's
+# sdpa gives a fully masked row 0 (the last padding position's output meets a target: the first
+# token's).
+def _block_forward(q, k, v, causal: bool, scale: float, keep=None):
+    if q.device.type == "cpu" and keep is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
         return out.float(), lse.float()
-    scores = q.float() @ k.float().transpose(-1, -2) * scale
-    if causal:
-        scores = scores.masked_fill(_upper(scores), float("-inf"))
-    return torch.softmax(scores, -1) @ v.float(), torch.logsumexp(scores, -1)
+    scores = _masked(q.float() @ k.float().transpose(-1, -2) * scale, causal, keep)
+    lse = torch.logsumexp(scores, -1)
+    return torch.exp(scores - _finite(lse)[..., None]) @ v.float(), lse
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    if q.device.type == "cpu":
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep=None):
+    if q.device.type == "cpu" and keep is None:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, causal, scale=scale)
         return dq.float(), dk.float(), dv.float()
     qf, kf, vf, dout = q.float(), k.float(), v.float(), dout.float()
-    scores = qf @ kf.transpose(-1, -2) * scale
-    if causal:
-        scores = scores.masked_fill(_upper(scores), float("-inf"))
-    p = torch.exp(scores - lse[..., None])
+    scores = _masked(qf @ kf.transpose(-1, -2) * scale, causal, keep)
+    p = torch.exp(scores - _finite(lse)[..., None])
     ds = p * (dout @ vf.transpose(-1, -2) - (dout * out).sum(-1)[..., None])
     return ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, p.transpose(-1, -2) @ dout
+
+
+def _masked(scores: torch.Tensor, causal: bool, keep) -> torch.Tensor:
+    if causal:
+        rows, cols = scores.shape[-2:]
+        upper = torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(upper, float("-inf"))
+    if keep is not None:
+        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    return scores
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (a row that saw no key yet) as 0, so exp(x - lse) is 0, not NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
 def _expand(kv: torch.Tensor, rep: int) -> torch.Tensor:
@@ -125,16 +140,19 @@ def _fold(grad: torch.Tensor, rep: int) -> torch.Tensor:
     return grad.view(b, h // rep, rep, n, d).sum(2)
 
 
-def _upper(scores: torch.Tensor) -> torch.Tensor:
-    rows, cols = scores.shape[-2:]
-    return torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1)
+def _keeps(keep, n: int, length: int):
+    """Each rank's (B, L) key mask out of the whole sequence's (B, S) one, or Nones."""
+    if keep is None:
+        return [None] * n
+    return [keep[:, positions(keep.shape[1], n, s, keep.device)] for s in range(n)]
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm: Comm, group: Group, scale: float):
+    def forward(ctx, q, k, v, comm: Comm, group: Group, scale: float, keep):
         n, r = group.size, group.rank
         c, rep = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        keeps = _keeps(keep, n, q.shape[2])
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()                 # (2, B, h, L, d)
@@ -142,22 +160,24 @@ class _RingAttention(torch.autograd.Function):
             s = (r - i) % n
             pending = _pass(comm, group, kv) if i < n - 1 else None
             rows, cols, causal = _blocks(r, s, c)
+            block_keep = None if keeps[s] is None else keeps[s][:, cols]
             block_out, block_lse = _block_forward(q[:, :, rows], _expand(kv[0][:, :, cols], rep),
-                                                  _expand(kv[1][:, :, cols], rep), causal, scale)
-            new = torch.logaddexp(lse[:, :, rows], block_lse)
+                                                  _expand(kv[1][:, :, cols], rep), causal, scale,
+                                                  block_keep)
+            new = _finite(torch.logaddexp(lse[:, :, rows], block_lse))
             out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new)[..., None]
                                + block_out * torch.exp(block_lse - new)[..., None])
-            lse[:, :, rows] = new
+            lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], block_lse)
             if pending is not None:
                 kv = _done(pending)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.group, ctx.scale = comm, group, scale
+        ctx.comm, ctx.group, ctx.scale, ctx.keeps = comm, group, scale, keeps
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, group, scale = ctx.comm, ctx.group, ctx.scale
+        comm, group, scale, keeps = ctx.comm, ctx.group, ctx.scale, ctx.keeps
         n, r = group.size, group.rank
         c, rep = q.shape[2] // 2, q.shape[1] // k.shape[1]
         dout = dout.contiguous()
@@ -168,31 +188,48 @@ class _RingAttention(torch.autograd.Function):
             s = (r - i) % n
             pending = _pass(comm, group, kv) if i < n - 1 else None
             rows, cols, causal = _blocks(r, s, c)
+            block_keep = None if keeps[s] is None else keeps[s][:, cols]
             dqb, dkb, dvb = _block_backward(dout[:, :, rows], q[:, :, rows],
                                             _expand(kv[0][:, :, cols], rep),
                                             _expand(kv[1][:, :, cols], rep), out[:, :, rows],
-                                            lse[:, :, rows], causal, scale)
+                                            lse[:, :, rows], causal, scale, block_keep)
             dq[:, :, rows] += dqb
             dkv[0][:, :, cols] += _fold(dkb, rep)
             dkv[1][:, :, cols] += _fold(dvb, rep)
             dkv = _done(_pass(comm, group, dkv))               # with its keys, one hop on
             if pending is not None:
                 kv = _done(pending)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, comm: Comm, group: Group, scale: float | None = None):
+def ring_attention(q, k, v, comm: Comm, group: Group, scale: float | None = None, keep=None):
     """Causal attention of this rank's queries over the whole sequence's keys and values, the
     keys and values passed round the cp ring (module docstring). q: (B, h, L, d); k, v:
     (B, h_kv, L, d), h_kv dividing h (grouped-query attention: the ring carries the h_kv heads,
-    each block expands them)."""
+    each block expands them). ``keep``: None, or the whole sequence's (B, S) booleans in natural
+    order, False for a padding key (every cp rank has the batch's mask: nothing travels)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _check_groups(q, k)
     if group.size == 1:
-        rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, _expand(k, rep), _expand(v, rep),
-                                              is_causal=True, scale=scale)
-    return _RingAttention.apply(q, k, v, comm, group, scale)
+        return _one_rank(q, k, v, scale, keep)
+    return _RingAttention.apply(q, k, v, comm, group, scale, keep)
+
+
+def _one_rank(q, k, v, scale: float, keep):
+    """cp = 1: the whole sequence here, padding keys masked (a row that sees no key gets 0, as
+    torch's sdpa gives it and the ring does)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = _expand(k, rep), _expand(v, rep)
+    if keep is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_natural_mask(keep), scale=scale)
+
+
+def _natural_mask(keep: torch.Tensor) -> torch.Tensor:
+    """(B, 1, S, S): causal, padding keys masked."""
+    s = keep.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=keep.device).tril()
+    return causal & keep[:, None, None, :]
 
 
 def _check_groups(q, k):
@@ -244,18 +281,19 @@ class _ToSequence(torch.autograd.Function):
         return _to_heads(grad.contiguous(), ctx.comm, ctx.group), None, None
 
 
-def ulysses_attention(q, k, v, comm: Comm, group: Group, scale: float | None = None):
+def ulysses_attention(q, k, v, comm: Comm, group: Group, scale: float | None = None,
+                      keep=None):
     """Causal attention by DeepSpeed-Ulysses (module docstring): one all-to-all to h/N heads of
     the whole sequence, attention in natural order, one all-to-all back. q: (B, h, L, d); k, v:
     (B, h_kv, L, d). With h_kv = h, q, k and v travel as one tensor; with grouped-query
     attention the keys and values travel as their own h_kv heads when N divides h_kv, else
-    they are first expanded to the h query heads (more traffic: the price of N > h_kv)."""
+    they are first expanded to the h query heads (more traffic: the price of N > h_kv).
+    ``keep`` as for :func:`ring_attention`: with it the attention runs on a (B, 1, S, S) mask."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _check_groups(q, k)
     n, rep = group.size, q.shape[1] // k.shape[1]
     if n == 1:
-        return F.scaled_dot_product_attention(q, _expand(k, rep), _expand(v, rep),
-                                              is_causal=True, scale=scale)
+        return _one_rank(q, k, v, scale, keep)
     if q.shape[1] % n:
         raise ValueError(f"Ulysses splits the {q.shape[1]} heads over cp = {n} ranks, which do "
                          f"not divide them; fix: --cp-impl ring, or a --cp that divides them")
@@ -271,7 +309,10 @@ def ulysses_attention(q, k, v, comm: Comm, group: Group, scale: float | None = N
         q = _ToHeads.apply(q[None], comm, group)[0][:, :, natural]
         kv = _ToHeads.apply(torch.stack([k, v]), comm, group)[:, :, :, natural]
         k, v = _expand(kv[0], rep), _expand(kv[1], rep)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if keep is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=_natural_mask(keep), scale=scale)
     y = y[:, :, order]                                          # back to rank-major
     return _ToSequence.apply(y[None], comm, group)[0]
 

@@ -262,20 +262,36 @@ def _routed(module, query, key, value, attention_mask, dropout: float = 0.0, sca
             **kwargs):
     """transformers' attention interface entry under the name :data:`ATTENTION`: the module's
     own ``shardwise_attend`` (set by :func:`route_attention`). The entry itself holds nothing,
-    so one registration serves every model in the process. Causal only: transformers builds no
-    mask for an implementation it does not know, and the caller refuses a padding mask."""
+    so one registration serves every model in the process. ``attention_mask``: None (causal),
+    or what :func:`_routed_mask` made: the whole sequence's key mask as (B, 1, 1, S)."""
     if dropout:
         raise ValueError(f"attention dropout {dropout} under context parallelism: not built; "
                          "fix: set the model's attention dropout to 0 (--dropout 0)")
-    out = module.shardwise_attend(query, key, value, scale=scaling)          # (B, h, T, d)
+    keep = None if attention_mask is None else attention_mask[:, 0, 0, :]
+    out = module.shardwise_attend(query, key, value, scale=scaling, keep=keep)  # (B, h, T, d)
     return out.transpose(1, 2).contiguous(), None                           # (B, T, h, d)
 
 
+def _routed_mask(*, attention_mask=None, **kwargs):
+    """transformers' mask interface entry under :data:`ATTENTION`: the 2-D padding mask it was
+    given (the whole sequence's, context parallelism passes it uncut), as (B, 1, 1, S) keys;
+    causality is the routed attention's own."""
+    return None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+
+
 def route_attention(model: nn.Module, modules, attend) -> None:
-    """Make the Hugging Face ``model``'s attention ``modules`` run ``attend(q, k, v, scale=)``
-    (q: (B, h, T, d), k and v: (B, h_kv, T, d), causal) in place of their own kernel."""
-    from transformers import AttentionInterface
+    """Make the Hugging Face ``model``'s attention ``modules`` run ``attend(q, k, v, scale=,
+    keep=)`` (q: (B, h, T, d), k and v: (B, h_kv, T, d), causal; keep: the whole sequence's
+    (B, S) key mask or None) in place of their own kernel."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        raise RuntimeError("context parallelism on a Hugging Face model routes its attention "
+                           "through transformers' attention and mask interfaces (5.0 or newer); "
+                           "fix: pip install -U transformers, or drop --cp") from None
     AttentionInterface.register(ATTENTION, _routed)
+    AttentionMaskInterface.register(ATTENTION, _routed_mask)
     for mod in modules:
         mod.shardwise_attend = attend
     model.config._attn_implementation = ATTENTION

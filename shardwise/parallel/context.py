@@ -10,7 +10,9 @@ stage over dp x cp: ``mesh.grad_group``, torchtitan's dp_shard_cp).
 What changes in the model, read from its plan's ``attention`` and ``positions``
 (models/plans.py: shardwise's GPT, Hugging Face GPT-2 and Llama, or a person's registered plan):
   input        a forward pre-hook on the model keeps this rank's positions of the token ids and
-               of every other per-position input (a padding mask and ``labels`` are refused)
+               of every other per-position input; a padding mask stays whole (every rank's
+               attention reads every key's; transformers hands it over as (B, 1, 1, S) through
+               the routed mask entry); ``labels`` are refused
   positions    learned positions (``module:pos_emb``) read this rank's global positions, not
                0..L-1; a forward argument (``argument:position_ids``: GPT-2's learned table,
                Llama's rotary) is given them
@@ -23,7 +25,9 @@ What changes in the model, read from its plan's ``attention`` and ``positions``
   loss         the targets are cut to the same positions (:func:`context_loss`); each rank's
                loss is the mean over its positions, and every rank holds as many, so the mean of
                the ranks' losses (the metrics average and the gradient average over dp x cp) is
-               the whole batch's
+               the whole batch's; with padded targets (-100, which the loss skips) each rank's
+               mean is weighted by its share of the valid targets, so the mean over cp is still
+               the mean over every valid target of the batch
 
 A user's loop: ``engine(x)`` returns the whole (B, S, V) logits, gathered over cp in order
 (comm/context.gather_sequence; its backward scales this rank's part by N, because every cp rank
@@ -62,6 +66,7 @@ from shardwise.models.build import logits_of
 from shardwise.models.plans import plan_of
 
 IMPLS = {"ring": ring_attention, "ulysses": ulysses_attention}
+IGNORE = -100     # the target index a loss skips (torch's cross_entropy and transformers' default)
 
 
 def apply_context_parallel(model: nn.Module, mesh, comm: Comm, impl: str):
@@ -107,21 +112,21 @@ def _swap_attention(model: nn.Module, plan, attend) -> None:
 
 
 def _cut(plan, n: int, r: int, position_argument: str | None, ids, kwargs: dict, rows: int):
-    """This rank's positions of the token ids (B, S) and of every other per-position input; a
-    padding mask is refused (transformers builds none for routed attention, and the ring is
-    causal only), labels too (the model's own loss would shift inside each rank's chunks); the
-    global positions as ``position_argument`` ((rows, L): a pipeline chunks every input by
-    rows)."""
+    """This rank's positions of the token ids (B, S) and of every other per-position input but
+    the padding mask, which stays whole (every key's mask is read by every rank's attention;
+    all ones: dropped); labels are refused (the model's own loss would shift inside each rank's
+    chunks); the global positions as ``position_argument`` ((rows, L): a pipeline chunks every
+    input by rows)."""
     if not torch.is_tensor(ids) or ids.dim() != 2:
         raise TypeError("context parallelism cuts a (batch, sequence) tensor of token ids; "
                         f"got {type(ids).__name__}; fix: pass the ids as the first input")
     seq = ids.shape[1]
     mine = positions(seq, n, r, ids.device)
     mask = kwargs.pop("attention_mask", None)
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("a padding attention_mask under context parallelism: not built "
-                         "(the ring and Ulysses are causal only); fix: batches without "
-                         "padding, or drop --cp")
+    if mask is not None and (mask.dim() != 2 or mask.shape[1] != seq):
+        raise ValueError(f"an attention_mask of shape {tuple(mask.shape)} under context "
+                         f"parallelism: it takes the 2-D (batch, {seq}) padding mask; fix: "
+                         "pass that one")
     if kwargs.get("labels") is not None:
         raise ValueError("labels under context parallelism: the model's own loss would "
                          "shift the targets inside each rank's chunks; fix: drop labels "
@@ -131,6 +136,8 @@ def _cut(plan, n: int, r: int, position_argument: str | None, ids, kwargs: dict,
             kwargs[key] = value[:, mine]
     if position_argument is not None and kwargs.get(position_argument) is None:
         kwargs[position_argument] = mine[None].expand(rows, -1)
+    if mask is not None and not bool(mask.all()):
+        kwargs["attention_mask"] = mask
     return ids[:, mine], kwargs
 
 
@@ -175,9 +182,19 @@ def context_loss(loss_fn, comm: Comm, group: Group):
     n, r = group.size, group.rank
 
     def loss(out, y):
-        if torch.is_tensor(y) and y.dim() >= 2:
-            y = y[:, positions(y.shape[1], n, r, y.device)]
-        return loss_fn(out, y)
+        if not torch.is_tensor(y) or y.dim() < 2:
+            return loss_fn(out, y)
+        whole = y
+        y = y[:, positions(y.shape[1], n, r, y.device)]
+        if bool((whole != IGNORE).all()):
+            return loss_fn(out, y)
+        # padded targets: this rank's mean over its valid targets, weighted so that the mean
+        # over the cp ranks is the whole batch's mean over all of them (every rank has the whole
+        # targets: no collective)
+        mine, total = int((y != IGNORE).sum()), int((whole != IGNORE).sum())
+        if mine == 0:
+            return logits_of(out).sum() * 0.0
+        return loss_fn(out, y) * (mine * n / total)
     inner = getattr(loss_fn, "whole_output", None)
 
     def whole(out):

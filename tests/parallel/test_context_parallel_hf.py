@@ -13,7 +13,11 @@ loss on ``engine(x)`` (the gathered logits) and shardwise's loss on each rank's 
 The attention alone with grouped-query heads (4 over 2, and over 1) equals torch's
 scaled_dot_product_attention (enable_gqa) on the whole sequence at 1024 positions (cp 2, ring
 and Ulysses; cp 4, Ulysses over 1 key-value head) and 4096 (cp 4, ring and Ulysses over 2).
-A padding mask or labels in the batch are refused in one line (the ring is causal only).
+Padded batches (left padding: attention_mask and position_ids, targets -100 on padding) train
+equal to one process too: Llama at cp 2 (ring, Ulysses) and cp 4 (ring), GPT-2 at cp 2 and under
+pp 2 x cp 2 (Ulysses); the padding lies in the early chunks, so each rank's loss is weighted by
+its share of the valid targets (removing the weight fails these runs). Labels in the batch, or a
+mask other than the 2-D padding mask, are refused in one line.
 
 Tolerance: fp32 rtol 1e-5, atol 1e-5 (tests/reference.py), with assert_close_runs' strays rule
 where Adam meets a near-zero gradient, lr 1e-3 as in test_hf_layouts.py.
@@ -45,6 +49,22 @@ def _cfg(strategy="ddp", cp=2, impl="ring", **parallel):
                   train=TrainConfig(batch_size=BATCH, device="cpu"))
 
 
+def _padded(steps=STEPS, seed=3):
+    """Left-padded dict batches (input_ids, attention_mask, position_ids: models_hf) and a
+    user's next-token targets (the ids shifted by one, -100 on padding and past the end): the
+    padding sits in the early chunks, so cp ranks hold unequal numbers of valid targets."""
+    out = []
+    for b in padded_batches(steps, seed=seed, labels=False):
+        y = torch.full_like(b["input_ids"], -100)
+        y[:, :-1] = b["input_ids"][:, 1:].masked_fill(b["attention_mask"][:, 1:] == 0, -100)
+        out.append((b, y))
+    return out
+
+
+def _batches(tag, steps=STEPS):
+    return _padded(steps) if "-pad" in tag else token_batches(steps, BATCH)
+
+
 def _loop(rank, family, tag, cfg):
     """A user's loop on ``family`` seeded by rank: the loss on ``engine(x)`` (the whole
     sequence's logits), or with tags ending -ce ``engine.loss`` (each rank's positions; for our
@@ -56,9 +76,10 @@ def _loop(rank, family, tag, cfg):
     engine = shardwise.prepare(BUILD[family](SEED + rank), two_groups(LR), cfg,
                                loss_fn=None if own and family == "gpt" else user)
     losses, norms = [], []
-    for x, y in token_batches(STEPS, BATCH):
+    for x, y in _batches(tag):
         xs, ys = engine.shard(x, y)
-        loss = engine.loss(xs, ys) if own else engine.loss_fn(engine(xs), ys)
+        whole = engine(**xs) if isinstance(xs, dict) else engine(xs)
+        loss = engine.loss(xs, ys) if own else engine.loss_fn(whole, ys)
         engine.backward(loss)
         norms.append(float(engine.strategy.clip_grad_norm_(MAX_NORM)))
         engine.step()
@@ -68,14 +89,15 @@ def _loop(rank, family, tag, cfg):
     return out
 
 
-def _pipeline_loop(rank, family, cfg):
+def _pipeline_loop(rank, family, tag, cfg):
     """Under a pipeline no rank holds the whole model: engine.train_step, clipping by
     train.grad_clip (the driver cuts each step's batch to this rank's positions)."""
     import shardwise
     engine = shardwise.prepare(BUILD[family](SEED + rank), two_groups(LR), cfg,
                                loss_fn=lm_loss if family != "gpt" else None)
-    losses = [engine.train_step(*engine.shard(x, y)) for x, y in token_batches(STEPS, BATCH)]
-    val, _ = engine.evaluate(*engine.shard(*token_batches(1, BATCH, seed=9)[0]))
+    losses = [engine.train_step(*engine.shard(x, y)) for x, y in _batches(tag)]
+    evaluation = _padded(1, seed=9) if "-pad" in tag else token_batches(1, BATCH, seed=9)
+    val, _ = engine.evaluate(*engine.shard(*evaluation[0]))
     out = dict(losses=losses, params=engine.full_state_dict(), val=val)
     engine.close()
     return out
@@ -105,12 +127,12 @@ def _gqa_attention(rank, n, impl, kv_heads, seq=1024):
 
 
 def _refusals(rank):
-    """A padding mask and labels under cp: the one-line errors the user's loop gets."""
+    """Labels, or a mask that is not the 2-D padding mask, under cp: the one-line errors."""
     import shardwise
     engine = shardwise.prepare(tiny_llama(SEED), two_groups(LR), _cfg(), loss_fn=lm_loss)
     batch = padded_batches(1)[0]
     out = {}
-    for name, kwargs in (("mask", {"attention_mask": batch["attention_mask"]}),
+    for name, kwargs in (("mask", {"attention_mask": batch["attention_mask"][:, None, None]}),
                          ("labels", {"labels": batch["input_ids"]})):
         try:
             engine(batch["input_ids"], **kwargs)
@@ -123,7 +145,7 @@ def _refusals(rank):
 
 def _world(rank, n, runs, attention, pipelines=()):
     out = {tag: _loop(rank, family, tag, cfg) for family, tag, cfg in runs}
-    out.update({tag: _pipeline_loop(rank, family, cfg) for family, tag, cfg in pipelines})
+    out.update({tag: _pipeline_loop(rank, family, tag, cfg) for family, tag, cfg in pipelines})
     out["attention"] = {key: _gqa_attention(rank, n, *key) for key in attention}
     if n == 2:
         out["refusals"] = _refusals(rank)
@@ -132,12 +154,15 @@ def _world(rank, n, runs, attention, pipelines=()):
 
 WORLD2 = [("llama", "llama-ring", _cfg()), ("llama", "llama-ring-ce", _cfg()),
           ("llama", "llama-ulysses", _cfg(impl="ulysses")), ("gpt2", "gpt2-ring", _cfg()),
-          ("gpt2", "gpt2-ulysses-ce", _cfg(impl="ulysses"))]
+          ("gpt2", "gpt2-ulysses-ce", _cfg(impl="ulysses")),
+          ("llama", "llama-ring-pad", _cfg()), ("llama", "llama-ulysses-pad-ce", _cfg(impl="ulysses")),
+          ("gpt2", "gpt2-ring-pad-ce", _cfg())]
 WORLD4 = [("llama", "llama-ring-cp4", _cfg(cp=4)),
           ("llama", "llama-ulysses-cp4-ce", _cfg(cp=4, impl="ulysses")),
           ("llama", "llama-dp2-cp2-zero3", _cfg("zero3", dp=2)),
           ("gpt", "gpt-cp2-tp2", _cfg("3d", tp=2)), ("gpt", "gpt-cp2-tp2-ce", _cfg("3d", tp=2)),
-          ("gpt", "gpt-cp2-tp2-ulysses", _cfg("3d", tp=2, impl="ulysses"))]
+          ("gpt", "gpt-cp2-tp2-ulysses", _cfg("3d", tp=2, impl="ulysses")),
+          ("llama", "llama-ring-cp4-pad-ce", _cfg(cp=4))]
 
 
 def _pp_cfg(schedule="1f1b", **parallel):
@@ -146,6 +171,7 @@ def _pp_cfg(schedule="1f1b", **parallel):
 
 
 PIPELINES = [("llama", "llama-pp2-cp2", _pp_cfg()),
+             ("gpt2", "gpt2-pp2-cp2-pad", _pp_cfg(impl="ulysses")),
              ("gpt", "gpt-pp2-cp2-ulysses-zero3", _pp_cfg("gpipe", impl="ulysses",
                                                           zero_stage=3))]
 
@@ -162,9 +188,29 @@ def _evaluated(family):
     return ref
 
 
+def _padded_reference(family):
+    """One process on the whole padded batches: the user's loss (mean over valid targets)."""
+    model = BUILD[family](SEED)
+    opt = two_groups(LR)(list(model.parameters()))
+    losses, norms = [], []
+    for x, y in _padded():
+        loss = lm_loss(model(**x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    x, y = _padded(1, seed=9)[0]
+    with torch.no_grad():
+        val = float(lm_loss(model(**x), y))
+    return dict(losses=losses, norms=norms, val=val,
+                params={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
 @pytest.fixture(scope="module")
 def references():
-    return {family: _evaluated(family) for family in BUILD}
+    return {**{family: _evaluated(family) for family in BUILD},
+            **{f"{family}-pad": _padded_reference(family) for family in ("llama", "gpt2")}}
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +228,7 @@ def world4():
 def _check(results, runs, references):
     for r in results:
         for family, tag, _ in runs:
-            got, ref = r[tag], references[family]
+            got, ref = r[tag], references[family + ("-pad" if "-pad" in tag else "")]
             if "val" in got:                        # a pipeline: evaluate's loss too
                 assert abs(got["val"] - ref["val"]) <= ATOL + RTOL * ref["val"], tag
             for step, (a, b) in enumerate(zip(got.get("norms", ()), ref["norms"])):
@@ -217,8 +263,8 @@ def test_grouped_query_attention_equals_sdpa(world2, world4):
     _check_attention(world4)
 
 
-def test_padding_mask_and_labels_are_refused_in_one_line(world2):
+def test_labels_and_a_4d_mask_are_refused_in_one_line(world2):
     for r in world2:
-        assert "padding attention_mask" in r["refusals"]["mask"], r["refusals"]
+        assert "the 2-D (batch, 16) padding mask" in r["refusals"]["mask"], r["refusals"]
         assert "labels under context parallelism" in r["refusals"]["labels"], r["refusals"]
         assert all("\n" not in m for m in r["refusals"].values())
