@@ -20,9 +20,9 @@ within the collective timeout raises CollectiveError naming its peer. As in comm
 counters are read and written in program order only on x86 (TSO), so ``auto`` takes this path
 only there, on CPU tensors, with every member on this host and polling.
 
-Memory: one ring of ``capacity`` bytes (default 4 MiB) per ordered pair of neighbours (s, s +- 1 mod
-p), in one shared file unlinked once mapped; each rank touches its own sending and
-receiving rings.
+Memory: one ring of ``capacity`` bytes (at most 4 MiB; the pipeline asks for two of its
+activation messages, :func:`ring_bytes`) per ordered pair of neighbours (s, s +- 1 mod p), in
+one shared file unlinked once mapped; each rank touches its own sending and receiving rings.
 """
 from __future__ import annotations
 
@@ -46,17 +46,27 @@ def neighbours(p: int) -> list[tuple[int, int]]:
                    if pair[0] != pair[1]})
 
 
+def ring_bytes(message: int) -> int:
+    """A ring for messages of ``message`` bytes: room for two (a send need not wait for the
+    receiver to take the one before), at least 64 KiB, at most CAPACITY (a larger message
+    streams through in pieces), whole pages."""
+    size = min(CAPACITY, max(64 << 10, 2 * message))
+    return -(-size // 4096) * 4096
+
+
 def transport_for(comm: Comm, group: Group, device: torch.device, kind: str,
-                  pairs: list[tuple[int, int]] | None = None) -> "ShmP2P | None":
-    """The shared-memory transport for ``group`` (None: the backend's p2p). Collective over
-    ``group`` unless ``kind`` is native or the group is one member."""
+                  pairs: list[tuple[int, int]] | None = None,
+                  capacity: int = CAPACITY) -> "ShmP2P | None":
+    """The shared-memory transport for ``group`` (None: the backend's p2p), with rings of
+    ``capacity`` bytes. Collective over ``group`` unless ``kind`` is native or the group is
+    one member."""
     if kind not in KINDS:
         raise ValueError(f"pp_transport {kind!r} is not one of {KINDS}")
     if kind == "native" or group.size == 1:
         return None
     why = shm.unusable(comm, group, device, need_polling=kind == "auto")
     if why is None:
-        return ShmP2P(comm, group, pairs=pairs)
+        return ShmP2P(comm, group, capacity=capacity, pairs=pairs)
     if kind == "shm":
         raise RuntimeError(f"parallel.pp_transport = shm: {why}; fix: --pp-transport auto "
                            "(shared memory where it applies) or native")

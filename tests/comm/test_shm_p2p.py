@@ -94,3 +94,13 @@ def test_neighbours_are_the_pipeline_pairs():
     assert shm_p2p.neighbours(3) == [(0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1)]
     assert shm_p2p.neighbours(4) == [(0, 1), (0, 3), (1, 0), (1, 2), (2, 1), (2, 3), (3, 0),
                                      (3, 2)]
+
+
+def test_the_pipeline_sizes_its_rings_to_two_activations():
+    """ring_bytes: two messages (a send need not wait for the one before to be taken), at least
+    64 KiB, at most CAPACITY (larger messages stream: the test above), whole pages; the bench
+    pipeline's 256 KiB activations get 512 KiB rings instead of 4 MiB ones."""
+    assert shm_p2p.ring_bytes(256 << 10) == 512 << 10
+    assert shm_p2p.ring_bytes(1) == 64 << 10
+    assert shm_p2p.ring_bytes(100 << 20) == shm_p2p.CAPACITY
+    assert shm_p2p.ring_bytes(100_001) % 4096 == 0 and shm_p2p.ring_bytes(100_001) >= 200_002

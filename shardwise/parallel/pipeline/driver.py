@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from shardwise.comm.shm_p2p import neighbours, transport_for
+from shardwise.comm.shm_p2p import neighbours, ring_bytes, transport_for
 from shardwise.data import batch as batches
 from shardwise.models.plans import plan_of
 from shardwise.parallel.base import Strategy
@@ -110,13 +110,20 @@ class PipelineDriver(Strategy):
         self.microbatches = p.num_microbatches
         self.actions = sched.build(p.schedule, mesh.pp, self.microbatches, self.v)[mesh.pp_rank]
         transport = transport_for(comm, mesh.pp_group, device, p.pp_transport,
-                                  pairs=neighbours(mesh.pp))
+                                  pairs=neighbours(mesh.pp), capacity=ring_bytes(
+                                      self._message_bytes(cfg, mesh, cut.width)))
         self.executor = PipelineExecutor(self.model, comm, mesh.pp_group, loss_fn, device,
                                          autocast=self.autocast, transport=transport)
         # one backward reduces only when it is the stage's only last one and no tied sum waits
         self.reduce_in_backward = self.v == 1 and not cut.tied
         self.steps_done, self.last_records, self.report = 0, None, None
         self._png = self._png_path()
+
+    def _message_bytes(self, cfg, mesh, width: int) -> int:
+        """One boundary activation of the configured batch: (rows, T, width) fp32 values, rows
+        a micro-batch's share of this dp rank's batch, T the positions a cp rank holds."""
+        rows = max(1, cfg.train.batch_size // (mesh.dp * self.grad_accum * self.microbatches))
+        return rows * max(1, cfg.model.block_size // mesh.cp) * width * 4
 
     @staticmethod
     def batch_view(batch):
@@ -231,6 +238,57 @@ class PipelineDriver(Strategy):
         name = self.model.global_name
         return self._merged({name(n): t for n, t in self.grads.full_state_dict().items()})
 
+    def full_state_order(self) -> list[tuple[str, tuple[int, ...]]] | None:
+        """(name, shape) of every parameter, stage after stage, for the streamed
+        final.safetensors (shardwise/run/train._save_final): names and shapes travel as objects
+        over pp, no tensor data. None under tensor parallelism (its pieces are gathered whole,
+        as the component's own order says)."""
+        if self.mesh.tp > 1:
+            return None
+        own = [(n, tuple(t.shape)) for n, t in self._stage_state().items()]
+        return [item for part in _first_owners(self.comm.all_gather_object(own,
+                                                                           self.mesh.pp_group))
+                for item in part]
+
+    def full_state_groups(self):
+        """The whole model one stage at a time (a collective: every rank iterates it to the
+        end): every stage gathers its parameters over dp (the component); in global rank 0's
+        pp group stage s sends them to rank 0, which yields them; every other rank yields
+        nothing. The memory of one stage's parameters per rank (rank 0: one more, received),
+        never the whole model on every rank, as :meth:`full_state_dict`'s object all-gather
+        over pp would hold it."""
+        group, mine = self.mesh.pp_group, self.mesh.pp_rank
+        column = 0 in group.ranks                   # the pp group holding global rank 0
+        state = self._stage_state()
+        shapes = _first_owners(self.comm.all_gather_object(
+            [(n, tuple(t.shape)) for n, t in state.items()], group))
+        state = {n: state[n] for n, _ in shapes[mine]}      # a tied copy: its first stage's
+        for stage in range(self.mesh.pp):
+            if not column:
+                yield {}
+            elif stage == 0:
+                yield state if mine == 0 else {}
+            elif mine == stage:
+                for t in state.values():
+                    self.comm.send(t.float().to(self.device).contiguous(), 0, group,
+                                   name="final_state")
+                yield {}
+            elif mine == 0:
+                got = {}
+                for n, shape in shapes[stage]:
+                    buf = torch.empty(shape, dtype=torch.float32, device=self.device)
+                    self.comm.recv(buf, stage, group, name="final_state")
+                    got[n] = buf.cpu()
+                yield got
+            else:
+                yield {}
+
+    def _stage_state(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters under their single-model names (gathered over dp by the
+        component; fp32, on the CPU)."""
+        name = self.model.global_name
+        return {name(n): t for n, t in self.grads.full_state_dict().items()}
+
     def state_dict(self) -> dict:
         return self.grads.state_dict()
 
@@ -262,3 +320,14 @@ class PipelineDriver(Strategy):
         transport = self.executor.transport   # the shared-memory rings this stage touches
         ledger["comm_buffers"] += transport.local_bytes if transport is not None else 0
         return ledger
+
+
+def _first_owners(parts: list[list[tuple[str, tuple]]]) -> list[list[tuple[str, tuple]]]:
+    """Each stage's (name, shape) list without the names an earlier stage has (a weight tied
+    across stages, GPT-2's lm_head on the last stage: written once, as the single model has
+    it)."""
+    seen, out = set(), []
+    for part in parts:
+        out.append([(n, shape) for n, shape in part if n not in seen])
+        seen.update(n for n, _ in part)
+    return out
