@@ -20,6 +20,42 @@ PRESETS = {
 }
 
 
+SPLITS = {"tp": ("tp", "3d"), "pp": ("pp",)}   # the presets that ask for an axis by name
+
+
+def runs_alone(cfg: Config) -> bool:
+    """Whether the run is one process (no distributed world): single, or one process's
+    replicas."""
+    return cfg.parallel.strategy in SINGLE_PROCESS
+
+
+def splits(cfg: Config, axis: str) -> bool:
+    """Whether the run splits the model along ``axis`` (tp or pp): a size above 1, or a
+    preset named for it (its size then comes from the world)."""
+    p = cfg.parallel
+    return getattr(p, axis) > 1 or p.strategy in SPLITS[axis]
+
+
+def process_shards(cfg: Config, world_size: int) -> int | None:
+    """How many shards of the batch the layouts of their own take (one process: 1; its
+    replicas: their count; the parameter server: its workers); None for the mesh's layouts,
+    whose dp size the world resolves (:func:`resolve_dp`)."""
+    p = cfg.parallel
+    if p.strategy in ("single", "auto"):
+        return 1
+    if p.strategy == "dp":
+        return p.replicas
+    if has_roles(cfg):
+        return p.num_workers or world_size - p.num_ps
+    return None
+
+
+def forward_is_the_models(cfg: Config) -> bool:
+    """Whether the strategy's forward is one whole forward of the model (not replicas on
+    threads, not a parameter server's workers, not a pipeline's stages)."""
+    return cfg.parallel.pp == 1 and cfg.parallel.strategy not in ("dp", *ROLES)
+
+
 def has_roles(cfg: Config) -> bool:
     """Whether the run's ranks take roles (the parameter server's servers and workers) instead
     of positions on the mesh's axes: its world is one flat group, its timeouts its own."""

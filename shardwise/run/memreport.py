@@ -30,6 +30,7 @@ import torch
 
 from shardwise.config import Config
 from shardwise.memory.checkpointing import checkpointing_off
+from shardwise.parallel import presets
 from shardwise.run.metrics import human_bytes, peak_memory_bytes
 
 STATE_CATEGORIES = ("gradients", "optimizer_states", "master_weights")
@@ -89,7 +90,7 @@ def rows(cfg: Config, strategy, x: torch.Tensor | None) -> list[tuple[str, int, 
         out.append(("gradient accumulation", (m.grad_accum - 1) * act,
                     f"{m.grad_accum} micro-batches: {m.grad_accum} x the measured "
                     f"{human_bytes(act)} of saved activations would be one batch's"))
-    whole_forward = cfg.parallel.pp == 1 and cfg.parallel.strategy not in ("dp", "ps")
+    whole_forward = presets.forward_is_the_models(cfg)
     measure = x is not None and whole_forward and strategy.model is not None
     amp = m.mixed_precision != "no"
     if m.activation_checkpointing or amp:

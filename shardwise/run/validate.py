@@ -22,6 +22,7 @@ from shardwise.config import rundir
 from shardwise.config import (Config, ConfigError, MemoryConfig, ModelConfig, ParallelConfig,
                               flag_of, section_fields)
 
+from shardwise.parallel import presets
 from shardwise.parallel.presets import SINGLE_PROCESS, resolve_dp  # noqa: F401 (re-exported)
 from shardwise.parallel.pipeline import checks as pipeline_checks
 from shardwise.models import hf as hf_model
@@ -126,14 +127,14 @@ def _unread(cfg: Config, world_size: int | None) -> list[tuple[str, str, str, st
         out += [("memory", n, "LoRA is off (lora_rank = 0), so it would be ignored",
                  f"set --lora-rank (e.g. 8) or drop --{n.replace('_', '-')}")
                 for n in ("lora_alpha", "lora_targets")]
-    if p.strategy != "ps" or p.ps_mode != "ssp":
+    if not presets.has_roles(cfg) or p.ps_mode != "ssp":
         out.append(("parallel", "staleness", f"only --ps-mode ssp reads it (the run: "
-                    f"{p.strategy}{', ps_mode ' + p.ps_mode if p.strategy == 'ps' else ''})",
+                    f"{p.strategy}{', ps_mode ' + p.ps_mode if presets.has_roles(cfg) else ''})",
                     "drop --staleness, or use --strategy ps --ps-mode ssp"))
-    if p.strategy != "ps" or p.ps_mode != "sync":
+    if not presets.has_roles(cfg) or p.ps_mode != "sync":
         out.append(("parallel", "on_worker_failure", "only the parameter server's sync mode "
                     f"reads it (the run: {p.strategy}"
-                    f"{', ps_mode ' + p.ps_mode if p.strategy == 'ps' else ''})",
+                    f"{', ps_mode ' + p.ps_mode if presets.has_roles(cfg) else ''})",
                     "drop --on-worker-failure, or use --strategy ps --ps-mode sync"))
     if t.optimizer == "adamw8bit":
         out.append(("train", "optimizer_kernel", "adamw8bit steps with its own block-wise "
@@ -249,7 +250,7 @@ def _foreign_model(cfg: Config) -> None:
         raise ConfigError("parallel.strategy", p.strategy, f"the planner (auto) for {what} "
                           f"({m.name}) is not supported yet (it sizes shardwise's GPT)",
                           "choose the layout: --dp, --tp, --pp with --zero-stage 0-3")
-    if not hf and (p.strategy == "pp" or p.pp > 1):
+    if not hf and presets.splits(cfg, "pp"):
         field, value = (("parallel.pp", p.pp) if p.pp > 1 else ("parallel.strategy", p.strategy))
         raise ConfigError(field, value, f"pipeline parallelism from the command line for your "
                           f"own models ({m.name}) is not supported (a stage runs the plan's "
@@ -264,7 +265,7 @@ def _foreign_model(cfg: Config) -> None:
         return
     why = (f"{m.name} has no model plan (register_plan was not called in {module})",
            f"call shardwise.register_plan(YourModel, shardwise.ModelPlan(...)) in {module}, ")
-    if p.strategy in ("tp", "3d") or p.tp > 1:
+    if presets.splits(cfg, "tp"):
         field, value = (("parallel.tp", p.tp) if p.tp > 1 else ("parallel.strategy", p.strategy))
         raise ConfigError(field, value, f"tensor parallelism splits a model by its plan; {why[0]}",
                           why[1] + "or use --strategy single, ddp, zero1, zero2 or zero3")
@@ -355,7 +356,7 @@ def _layout(cfg: Config, world_size: int) -> None:
     then each component's own checks (shardwise/parallel/layout.py's ``check_components``)."""
     p = cfg.parallel
     dp = 1
-    if p.strategy not in SINGLE_PROCESS and p.strategy != "ps":
+    if not presets.runs_alone(cfg) and not presets.has_roles(cfg):
         dp = resolve_dp(cfg, world_size)
         if dp * p.tp * p.pp * p.cp != world_size:
             raise ConfigError("parallel.dp", dp, f"dp x cp x tp x pp = {dp}x{p.cp}x{p.tp}x{p.pp} "
@@ -386,14 +387,9 @@ def validate(cfg: Config, world_size: int) -> Config:
 def _accumulation(cfg: Config, world_size: int) -> None:
     """Every process's rows must split into grad_accum equal micro-batches (whatever the
     strategy), or accumulation would weight unequal halves equally."""
-    p, k = cfg.parallel, cfg.memory.grad_accum
-    if p.strategy in ("single", "auto"):
-        shards = 1
-    elif p.strategy == "dp":
-        shards = p.replicas
-    elif p.strategy == "ps":
-        shards = p.num_workers or world_size - p.num_ps
-    else:
+    k = cfg.memory.grad_accum
+    shards = presets.process_shards(cfg, world_size)
+    if shards is None:
         return  # checked by _layout with the dp size
     if cfg.train.batch_size % (shards * k):
         raise ConfigError("memory.grad_accum", k, f"batch_size {cfg.train.batch_size} does not "
