@@ -29,11 +29,21 @@ def runs_alone(cfg: Config) -> bool:
     return cfg.parallel.strategy in SINGLE_PROCESS
 
 
-def splits(cfg: Config, axis: str) -> bool:
+def _splits(cfg: Config, axis: str) -> bool:
     """Whether the run splits the model along ``axis`` (tp or pp): a size above 1, or a
     preset named for it (its size then comes from the world)."""
     p = cfg.parallel
     return getattr(p, axis) > 1 or p.strategy in SPLITS[axis]
+
+
+def tensor_parallel(cfg: Config) -> bool:
+    """Whether the run splits layers over tp (:func:`_splits`)."""
+    return _splits(cfg, "tp")
+
+
+def pipelined(cfg: Config) -> bool:
+    """Whether the run cuts the model into pipeline stages (:func:`_splits`)."""
+    return _splits(cfg, "pp")
 
 
 def process_shards(cfg: Config, world_size: int) -> int | None:

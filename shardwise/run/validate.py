@@ -250,7 +250,7 @@ def _foreign_model(cfg: Config) -> None:
         raise ConfigError("parallel.strategy", p.strategy, f"the planner (auto) for {what} "
                           f"({m.name}) is not supported yet (it sizes shardwise's GPT)",
                           "choose the layout: --dp, --tp, --pp with --zero-stage 0-3")
-    if not hf and presets.splits(cfg, "pp"):
+    if not hf and presets.pipelined(cfg):
         field, value = (("parallel.pp", p.pp) if p.pp > 1 else ("parallel.strategy", p.strategy))
         raise ConfigError(field, value, f"pipeline parallelism from the command line for your "
                           f"own models ({m.name}) is not supported (a stage runs the plan's "
@@ -265,7 +265,7 @@ def _foreign_model(cfg: Config) -> None:
         return
     why = (f"{m.name} has no model plan (register_plan was not called in {module})",
            f"call shardwise.register_plan(YourModel, shardwise.ModelPlan(...)) in {module}, ")
-    if presets.splits(cfg, "tp"):
+    if presets.tensor_parallel(cfg):
         field, value = (("parallel.tp", p.tp) if p.tp > 1 else ("parallel.strategy", p.strategy))
         raise ConfigError(field, value, f"tensor parallelism splits a model by its plan; {why[0]}",
                           why[1] + "or use --strategy single, ddp, zero1, zero2 or zero3")
