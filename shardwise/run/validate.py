@@ -175,6 +175,7 @@ def _positive(cfg: Config) -> None:
         "model.vocab_size": cfg.model.vocab_size, "train.steps": cfg.train.steps,
         "train.batch_size": cfg.train.batch_size, "train.eval_batches": cfg.train.eval_batches,
         "parallel.tp": cfg.parallel.tp, "parallel.pp": cfg.parallel.pp,
+        "parallel.cp": cfg.parallel.cp,
         "parallel.replicas": cfg.parallel.replicas, "parallel.num_ps": cfg.parallel.num_ps,
         "parallel.num_microbatches": cfg.parallel.num_microbatches,
         "memory.grad_accum": cfg.memory.grad_accum, "logging.log_every": cfg.logging.log_every,

@@ -226,5 +226,6 @@ def test_bad_cp_settings_are_refused_in_one_line(capsys):
                                  "--n-embd", "32")
     assert "--cp" in _cli_error(capsys, "--cp-impl", "ulysses")        # read only with --cp
     assert "sequence parallelism" in _cli_error(capsys, "--cp", "2", "--tp", "2", "--sp")
+    assert "parallel.cp = 0: must be positive" in _cli_error(capsys, "--cp", "0")  # fuzz found
     assert "LeNet reads images" in _cli_error(capsys, "--cp", "2", "--model", "lenet",
                                              "--dataset", "digits")
