@@ -5,6 +5,9 @@ optimizer as ``gpt_bench_config``, so the only difference from our side is the s
 """
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 from shardwise.bench.harness import threads_for, timed_steps
@@ -20,10 +23,12 @@ def _setup(cfg, rank: int, world: int):
 
 
 def plain_loop_tokens_per_s(cfg, rank: int, world: int, wrap=None, steps: int = 10,
-                            torch_defaults: bool = False) -> float:
+                            torch_defaults: bool = False, timings: dict | None = None) -> float:
     """A textbook loop (forward, loss, backward, AdamW step, zero_grad) around ``wrap(model)``;
     ``torch_defaults``: ``torch.optim.AdamW(params, lr)`` as a user writes it (torch's own
-    betas, weight decay and implementation: a loop over tensors on CPU) instead of ours."""
+    betas, weight decay and implementation: a loop over tensors on CPU) instead of ours.
+    ``timings``: filled with the median seconds of a step and of its optimizer step (the
+    optimizer's share of the step, which the product row's goal reads)."""
     data, model = _setup(cfg, rank, world)
     if wrap is not None:
         model = wrap(model)
@@ -31,15 +36,20 @@ def plain_loop_tokens_per_s(cfg, rank: int, world: int, wrap=None, steps: int = 
            else same_optimizer(cfg, model.parameters()))
     state = {"step": 0}
     b = cfg.train.batch_size
+    optimizer_s = []
 
     def step():
         x, y = data.batch(state["step"], b, rank, world)
         state["step"] += 1
         loss = lm_loss(model(x), y)
         loss.backward()
+        t0 = time.perf_counter()
         opt.step()
+        optimizer_s.append(time.perf_counter() - t0)
         opt.zero_grad(set_to_none=True)
     dt = timed_steps(step, steps)
+    if timings is not None:
+        timings.update(step_s=dt, optimizer_step_s=statistics.median(optimizer_s[-steps:]))
     return b * cfg.model.block_size / dt
 
 
