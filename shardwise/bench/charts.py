@@ -7,6 +7,8 @@ None when no row carries the figures it needs (the report then omits the chart a
 * memory: peak RSS of the largest rank, ours beside the peer, our ledger's categories stacked
 * traffic: bytes sent per step by rank 0 (ps: the busiest ps task), ours beside the peer's
 * scaling: tokens/s against world size for rows of one ``series`` (the same row at 1 / 2 / 4)
+* sizes: tokens/s and peak RSS against the model's parameters for the ``size:`` series (one
+  strategy and its peer at 3M, 57M and 350M parameters, the same world)
 * busbw: ring against the backend's allreduce, bus bandwidth over message sizes
 * ps: loss curves and throughput of the parameter-server rows (a straggler) beside allreduce DP
 * planner: the planner's predicted step time and state bytes against the measured ones
@@ -107,7 +109,7 @@ def traffic(rows: list[dict], out: str) -> str | None:
 def scaling(rows: list[dict], out: str) -> str | None:
     series: dict[str, list[dict]] = {}
     for r in rows:
-        if r.get("series"):
+        if r.get("series") and not r["series"].startswith("size:"):
             series.setdefault(r["series"], []).append(r)
     series = {k: sorted(v, key=lambda r: r["world"]) for k, v in series.items() if len(v) >= 2}
     if not series:
@@ -198,8 +200,43 @@ def planner(validation: dict | None, out: str) -> str | None:
     return _save(fig, out, "planner.png")
 
 
+def _parameters(r: dict) -> int | None:
+    return ((r.get("ours") or {}).get("extra") or {}).get("parameters")
+
+
+def sizes(rows: list[dict], out: str) -> str | None:
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        if (r.get("series") or "").startswith("size:") and _parameters(r):
+            series.setdefault(r["series"][5:], []).append(r)
+    series = {k: sorted(v, key=_parameters) for k, v in series.items() if len(v) >= 2}
+    if not series:
+        return None
+    plt = _plt()
+    fig, (speed, mem) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for name, group in series.items():
+        params = [_parameters(r) / 1e6 for r in group]
+        peer = [r.get("peer_result") or {} for r in group]
+        speed.plot(params, [r["ours"]["items_per_s"] for r in group], "o-",
+                   label=f"shardwise {name}")
+        mem.plot(params, [r["ours"]["peak_rss_max_rank"] / MiB for r in group], "o-",
+                 label=f"shardwise {name}")
+        if all(p.get("items_per_s") for p in peer):
+            label = group[0].get("peer") or "peer"
+            speed.plot(params, [p["items_per_s"] for p in peer], "s--", label=label)
+            mem.plot(params, [p["peak_rss_max_rank"] / MiB for p in peer], "s--", label=label)
+    world = next(iter(series.values()))[0].get("world")
+    for ax, what in ((speed, "tokens/s of the world (median)"),
+                     (mem, "peak RSS of the largest rank (MiB)")):
+        ax.set(xscale="log", yscale="log", xlabel="parameters (millions)", ylabel=what)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"cost against model size, world {world}")
+    return _save(fig, out, "sizes.png")
+
+
 def all_charts(rows: list[dict], out: str, validation: dict | None = None) -> dict[str, str | None]:
     """Every chart, by name: its path, or None where the rows have no figures for it."""
     return {"throughput": throughput(rows, out), "memory": memory(rows, out),
-            "traffic": traffic(rows, out), "scaling": scaling(rows, out), "busbw": busbw(rows, out),
+            "traffic": traffic(rows, out), "scaling": scaling(rows, out),
+            "sizes": sizes(rows, out), "busbw": busbw(rows, out),
             "ps": ps(rows, out), "planner": planner(validation, out)}

@@ -70,6 +70,28 @@ def gpt_bench_config(strategy: str = "single", **overrides):
     return cfg
 
 
+# the model sizes of the scaling family (issue 35 item 7): the benchmark GPT, the memory rows'
+# 57M GPT and a 350M one (GPT-2 medium's width at 28 layers), batches shrinking with size so a
+# step stays seconds on a 2-core CPU
+SIZES = {"3m": {},
+         "57m": {"model": {"n_layer": 8, "n_embd": 768, "n_head": 12}, "train": {"batch_size": 4}},
+         "350m": {"model": {"n_layer": 28, "n_embd": 1024, "n_head": 16},
+                  "train": {"batch_size": 2}}}
+
+
+def sized_config(strategy: str, size: str, steps: int, **parallel):
+    """gpt_bench_config at one of :data:`SIZES`, ``steps`` steps."""
+    over = SIZES[size]
+    return gpt_bench_config(strategy, parallel=parallel, model=over.get("model", {}),
+                            train={**over.get("train", {}), "steps": steps})
+
+
+def parameters(cfg) -> int:
+    """The parameter count of cfg's model (built on the meta device: no memory)."""
+    from shardwise.models import build_model
+    return sum(p.numel() for p in build_model(cfg.model, 0, init="meta").parameters())
+
+
 def threads_for(world: int) -> None:
     """Share this machine's cores between the ranks of a world."""
     import os

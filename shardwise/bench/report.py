@@ -7,7 +7,7 @@ disagree. It holds: the machine, date, commit and load average; one table row pe
 (ours and the peer in items/s, the ratio, each side's spread over its runs, the peak resident
 memory of the largest rank on each side and its ratio, the goal); and the charts of
 shardwise/bench/charts.py that the rows carry figures for: throughput.png, memory.png,
-traffic.png, scaling.png, busbw.png, ps.png, planner.png (the last from a
+traffic.png, scaling.png, sizes.png, busbw.png, ps.png, planner.png (the last from a
 ``planner_validation.json`` in the folder). The report names the charts it could not draw.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ CAPTIONS = {"throughput": "Throughput, ours / the PyTorch peer of each row",
             "memory": "Peak resident memory of the largest rank, and our ledger by category",
             "traffic": "Bytes sent per step (rank 0; ps: the busiest ps task)",
             "scaling": "Scaling with world size (rows of one series)",
+            "sizes": "Cost against model size: tokens/s and peak RSS (the size: series)",
             "busbw": "Ring allreduce against the backend's, over message sizes",
             "ps": "Parameter server with a straggler: loss curves and throughput",
             "planner": f"Planner prediction against measurement ({PLANNER})"}

@@ -66,6 +66,12 @@ def _folder_with_every_chart(tmp_path):
         ps = _row(f"ps-{mode}", [3000.0, 3100.0], [], 250 * 2**20, None)
         ps["ours"]["extra"] = {"losses": [5.5, 4.0, 3.2]}
         rows.append(ps)
+    for n, size in enumerate((3e6, 5.7e7)):      # the sizes chart: one series at two sizes
+        sized = _row(f"zero3-size-{n}", [900.0 / (n + 1)] * 2, [800.0 / (n + 1)] * 2,
+                     (300 + 500 * n) * 2**20, (310 + 500 * n) * 2**20)
+        sized["series"] = "size:zero3"
+        sized["ours"]["extra"] = {"parameters": int(size)}
+        rows.append(sized)
     for r in rows:
         (tmp_path / f"{r['row']}.json").write_text(json.dumps(r))
     planner = {"rows": [{"strategy": "ddp", "world": 2, "step_predicted_s": 0.11,
@@ -77,7 +83,7 @@ def _folder_with_every_chart(tmp_path):
 def test_every_chart_is_drawn_from_the_json_and_named_in_the_report(tmp_path):
     rows = _folder_with_every_chart(tmp_path)
     text = open(write_report(str(tmp_path))).read()
-    for png in ("throughput", "memory", "traffic", "scaling", "busbw", "ps", "planner"):
+    for png in ("throughput", "memory", "traffic", "scaling", "sizes", "busbw", "ps", "planner"):
         assert (tmp_path / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
         assert f"]({png}.png)" in text
     assert "Not drawn" not in text

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from shardwise.bench.harness import Row, gpt_bench_config, threads_for
+from shardwise.bench.harness import Row, gpt_bench_config, parameters, sized_config, threads_for
 from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s, torch_ddp_tokens_per_s
 
 STEPS = 14
@@ -22,6 +22,22 @@ def torch_ddp(rank, world, steps=STEPS, **parallel):
     return {"items_per_s": torch_ddp_tokens_per_s(gpt_bench_config("ddp"), rank, world,
                                                   bucket_mb=parallel.get("bucket_mb", 25.0),
                                                   steps=steps - 2)}
+
+
+def ddp_sized(rank, world, size="3m", steps=STEPS, **parallel):
+    """ddp at one of the scaling family's sizes (harness.SIZES); ``extra.parameters``."""
+    cfg = sized_config("ddp", size, steps, **parallel)
+    out = ours_tokens_per_s(cfg, world)
+    out["extra"]["parameters"] = parameters(cfg)
+    return out
+
+
+def torch_ddp_sized(rank, world, size="3m", steps=STEPS, **parallel):
+    cfg = sized_config("ddp", size, steps)
+    return {"items_per_s": torch_ddp_tokens_per_s(cfg, rank, world,
+                                                  bucket_mb=parallel.get("bucket_mb", 25.0),
+                                                  steps=steps - 2),
+            "extra": {"parameters": parameters(cfg)}}
 
 
 def one_process_two_threads(rank, world, **parallel):
@@ -102,6 +118,12 @@ ROWS = [
     Row("ddp-vs-torch-ddp-w4", ddp, torch_ddp, world=4, args={"bucket_mb": 25.0},
         goal="ratio >= 1.0", peer_name="torch DistributedDataParallel", series="ddp",
         quick_args={"steps": 6}),
+    # the scaling family by model size (series "size:ddp": the report's sizes chart), world 2
+    *[Row(f"ddp-vs-torch-ddp-size-{size}", ddp_sized, torch_ddp_sized, world=2,
+          args={"size": size, "steps": steps, "bucket_mb": 25.0}, series="size:ddp",
+          goal="ratio >= 1.0; tokens/s and peak RSS against model size",
+          peer_name="torch DistributedDataParallel")
+      for size, steps in (("3m", 10), ("57m", 6), ("350m", 4))],
     Row("ddp-ring-vs-torch-ddp", ddp, torch_ddp, world=2, args={"bucket_mb": 25.0, "allreduce": "ring"},
         goal="ratio >= 1.0", peer_name="torch DistributedDataParallel"),
     Row("ddp-shm-vs-native", ddp, ddp_native, world=2, args={"bucket_mb": 25.0, "allreduce": "shm"},

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.bench.harness import Row, gpt_bench_config, threads_for, timed_steps
+from shardwise.bench.harness import (Row, gpt_bench_config, parameters, sized_config,
+                                     threads_for, timed_steps)
 from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s
 from shardwise.run.api import optimizer_kernel
 
@@ -50,7 +51,21 @@ def zero3_big_no_offload(rank, world, **parallel):
     return zero3_big(rank, world, **{**parallel, "offload": "none"})
 
 
-def fsdp2(rank, world, steps=STEPS, **parallel):
+def zero3_sized(rank, world, size="3m", steps=STEPS, **parallel):
+    """ZeRO-3 at one of the scaling family's sizes (harness.SIZES); ``extra.parameters``."""
+    cfg = sized_config("zero3", size, steps, **parallel)
+    out = ours_tokens_per_s(cfg, world)
+    out["extra"]["parameters"] = parameters(cfg)
+    return out
+
+
+def fsdp2_sized(rank, world, size="3m", steps=STEPS, **parallel):
+    out = fsdp2(rank, world, steps=steps, cfg=sized_config("zero3", size, steps))
+    out["extra"] = {"parameters": parameters(sized_config("zero3", size, steps))}
+    return out
+
+
+def fsdp2(rank, world, steps=STEPS, cfg=None, **parallel):
     """torch FSDP2: fully_shard on each block, then on the root (the documented recipe)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -60,7 +75,7 @@ def fsdp2(rank, world, steps=STEPS, **parallel):
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
-    cfg = gpt_bench_config("zero3")
+    cfg = cfg or gpt_bench_config("zero3")
     return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, wrap=wrap, steps=steps - 2)}
 
 
@@ -159,10 +174,19 @@ ROWS = [
     Row("zero2-vs-fsdp2", zero2, fsdp2, world=2, args={}, quick_args=QUICK, goal=GOAL,
         peer_name=FSDP2),
     Row("zero3-vs-fsdp2", zero3, fsdp2, world=2, args={}, quick_args=QUICK, goal=GOAL,
-        peer_name=FSDP2),
+        peer_name=FSDP2, series="zero3"),
+    # world scaling (series "zero3", with the rows at 2 and 4) and the scaling family by model
+    # size (series "size:zero3": the report's sizes chart)
+    Row("zero3-vs-fsdp2-w1", zero3, fsdp2, world=1, args={}, goal=GOAL, peer_name=FSDP2,
+        series="zero3"),
+    *[Row(f"zero3-vs-fsdp2-size-{size}", zero3_sized, fsdp2_sized, world=2,
+          args={"size": size, "steps": steps}, series="size:zero3",
+          goal="ratio >= 1.0; tokens/s and peak RSS against model size", peer_name=FSDP2)
+      for size, steps in (("3m", 10), ("57m", 6), ("350m", 4))],
     Row("zero3-ring-vs-fsdp2", zero3, fsdp2, world=2, args={"allreduce": "ring"}, goal=GOAL,
         peer_name=FSDP2),
-    Row("zero3-vs-fsdp2-w4", zero3, fsdp2, world=4, args={}, goal=GOAL, peer_name=FSDP2),
+    Row("zero3-vs-fsdp2-w4", zero3, fsdp2, world=4, args={}, goal=GOAL, peer_name=FSDP2,
+        series="zero3"),
     Row("hsdp-vs-fsdp2-hsdp", zero3, fsdp2_hsdp, world=4, args={"dp_shard": 2}, goal=GOAL,
         peer_name="torch FSDP2 on a 2-D DeviceMesh (replicate 2 x shard 2)"),
     # memory at 57M parameters (the whole six-way table: python -m shardwise.bench.memory)
