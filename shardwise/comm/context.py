@@ -140,7 +140,7 @@ def _fold(grad: torch.Tensor, rep: int) -> torch.Tensor:
     return grad.view(b, h // rep, rep, n, d).sum(2)
 
 
-def _keeps(keep, n: int, length: int):
+def _keeps(keep, n: int):
     """Each rank's (B, L) key mask out of the whole sequence's (B, S) one, or Nones."""
     if keep is None:
         return [None] * n
@@ -152,7 +152,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, comm: Comm, group: Group, scale: float, keep):
         n, r = group.size, group.rank
         c, rep = q.shape[2] // 2, q.shape[1] // k.shape[1]
-        keeps = _keeps(keep, n, q.shape[2])
+        keeps = _keeps(keep, n)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()                 # (2, B, h, L, d)

@@ -18,9 +18,7 @@ def reads(cfg: Config) -> dict[str, bool]:
 
 def check(cfg: Config, world_size: int) -> None:
     m, p = cfg.model, cfg.parallel
-    if p.cp < 1:
-        raise ConfigError("parallel.cp", p.cp, "is not a size", "give 1 (off) or more")
-    if p.cp == 1:
+    if p.cp == 1:                       # below 1: refused with the other sizes (validate)
         return
     if m.name == "lenet":
         raise ConfigError("parallel.cp", p.cp, "context parallelism cuts sequences, and LeNet "

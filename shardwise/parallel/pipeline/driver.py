@@ -245,10 +245,7 @@ class PipelineDriver(Strategy):
         as the component's own order says)."""
         if self.mesh.tp > 1:
             return None
-        own = [(n, tuple(t.shape)) for n, t in self._stage_state().items()]
-        return [item for part in _first_owners(self.comm.all_gather_object(own,
-                                                                           self.mesh.pp_group))
-                for item in part]
+        return [item for part in self._stage_shapes() for item in part]
 
     def full_state_groups(self):
         """The whole model one stage at a time (a collective: every rank iterates it to the
@@ -259,9 +256,8 @@ class PipelineDriver(Strategy):
         over pp would hold it."""
         group, mine = self.mesh.pp_group, self.mesh.pp_rank
         column = 0 in group.ranks                   # the pp group holding global rank 0
+        shapes = self._stage_shapes()
         state = self._stage_state()
-        shapes = _first_owners(self.comm.all_gather_object(
-            [(n, tuple(t.shape)) for n, t in state.items()], group))
         state = {n: state[n] for n, _ in shapes[mine]}      # a tied copy: its first stage's
         for stage in range(self.mesh.pp):
             if not column:
@@ -282,6 +278,14 @@ class PipelineDriver(Strategy):
                 yield got
             else:
                 yield {}
+
+    def _stage_shapes(self) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """Every stage's (single-model name, whole shape) of its parameters, a tied copy left to
+        its first stage (read off the parameters, which keep their whole shape under every
+        data-parallel stage: an object all-gather over pp, no tensor data)."""
+        name = self.model.global_name
+        own = [(name(n), tuple(p.shape)) for n, p in self.model.named_parameters()]
+        return _first_owners(self.comm.all_gather_object(own, self.mesh.pp_group))
 
     def _stage_state(self) -> dict[str, torch.Tensor]:
         """This stage's parameters under their single-model names (gathered over dp by the
