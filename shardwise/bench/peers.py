@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from shardwise.bench.harness import threads_for, timed_steps
+from shardwise.bench.harness import parameters, sized_config, threads_for, timed_steps
 from shardwise.data import build_data
 from shardwise.models import build_model, lm_loss
 
@@ -70,6 +70,15 @@ def ours_tokens_per_s(cfg, world: int) -> dict:
     steps = s["steps"]
     return {"items_per_s": s["throughput"], "bytes_sent": rt.comm.meter.total().bytes_sent / steps,
             "peak_mem": sum(s["ledger"].values()), "extra": {"ledger": s["ledger"], "comm": s["comm"]}}
+
+
+def ours_sized(strategy: str, size: str, steps: int, world: int, **parallel) -> dict:
+    """shardwise's own loop for ``strategy`` at one of the scaling family's sizes
+    (harness.SIZES), with the model's parameter count in ``extra`` (the sizes chart's x)."""
+    cfg = sized_config(strategy, size, steps, **parallel)
+    out = ours_tokens_per_s(cfg, world)
+    out["extra"]["parameters"] = parameters(cfg)
+    return out
 
 
 def same_optimizer(cfg, params):

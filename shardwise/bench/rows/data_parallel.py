@@ -8,7 +8,8 @@ import time
 import torch
 
 from shardwise.bench.harness import Row, gpt_bench_config, parameters, sized_config, threads_for
-from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s, torch_ddp_tokens_per_s
+from shardwise.bench.peers import (ours_sized, ours_tokens_per_s, plain_loop_tokens_per_s,
+                                   torch_ddp_tokens_per_s)
 
 STEPS = 14
 
@@ -25,11 +26,7 @@ def torch_ddp(rank, world, steps=STEPS, **parallel):
 
 
 def ddp_sized(rank, world, size="3m", steps=STEPS, **parallel):
-    """ddp at one of the scaling family's sizes (harness.SIZES); ``extra.parameters``."""
-    cfg = sized_config("ddp", size, steps, **parallel)
-    out = ours_tokens_per_s(cfg, world)
-    out["extra"]["parameters"] = parameters(cfg)
-    return out
+    return ours_sized("ddp", size, steps, world, **parallel)
 
 
 def torch_ddp_sized(rank, world, size="3m", steps=STEPS, **parallel):

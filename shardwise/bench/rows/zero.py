@@ -13,7 +13,7 @@ import torch
 
 from shardwise.bench.harness import (Row, gpt_bench_config, parameters, sized_config,
                                      threads_for, timed_steps)
-from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s
+from shardwise.bench.peers import ours_sized, ours_tokens_per_s, plain_loop_tokens_per_s
 from shardwise.run.api import optimizer_kernel
 
 STEPS = 14
@@ -52,17 +52,12 @@ def zero3_big_no_offload(rank, world, **parallel):
 
 
 def zero3_sized(rank, world, size="3m", steps=STEPS, **parallel):
-    """ZeRO-3 at one of the scaling family's sizes (harness.SIZES); ``extra.parameters``."""
-    cfg = sized_config("zero3", size, steps, **parallel)
-    out = ours_tokens_per_s(cfg, world)
-    out["extra"]["parameters"] = parameters(cfg)
-    return out
+    return ours_sized("zero3", size, steps, world, **parallel)
 
 
 def fsdp2_sized(rank, world, size="3m", steps=STEPS, **parallel):
-    out = fsdp2(rank, world, steps=steps, cfg=sized_config("zero3", size, steps))
-    out["extra"] = {"parameters": parameters(sized_config("zero3", size, steps))}
-    return out
+    cfg = sized_config("zero3", size, steps)
+    return {**fsdp2(rank, world, steps=steps, cfg=cfg), "extra": {"parameters": parameters(cfg)}}
 
 
 def fsdp2(rank, world, steps=STEPS, cfg=None, **parallel):
