@@ -49,7 +49,8 @@ seed_references ("seed 00X" references)
     tracks (all files under REPO outside a git checkout), by file and by area (the package,
     docs/, tests/, everything else).
 new_axis_files (the files a new mesh axis would touch)
-    The axis names are ``AXES`` in ``PKG/mesh.py`` (default pp, dp, tp). A file of PKG is
+    The axis names are ``AXES`` in ``PKG/mesh.py`` (default pp, dp, tp: the order
+    ``PKG/config/names.py`` defines and mesh.py imports). A file of PKG is
     touched when it (a) holds a string literal equal to an axis name (docstrings excluded): a
     mesh lookup, a group name, a size mapping key; or (b) reads an attribute named like an axis
     (``cfg.parallel.tp``, ``mesh.pp``); or (c) uses a per-axis identifier ``<axis>_size``,

@@ -24,8 +24,8 @@ from math import prod
 import torch.distributed as dist
 
 from shardwise.comm.collectives import Group
+from shardwise.config.names import AXES, Axis
 
-AXES = ("pp", "dp", "tp")   # the default order, outermost first
 
 
 def _check(sizes: Mapping[str, int]) -> None:
@@ -63,17 +63,18 @@ def groups_along(axis: str, sizes: Mapping[str, int]) -> list[tuple[int, ...]]:
 # The (pp, dp, tp) forms, kept for callers that name the three classic axes.
 def coords_of(rank: int, dp: int, tp: int) -> tuple[int, int, int]:
     """(pp_rank, dp_rank, tp_rank) of a global rank."""
-    c = coords_in(rank, {"pp": rank // (dp * tp) + 1, "dp": dp, "tp": tp})
-    return c["pp"], c["dp"], c["tp"]
+    c = coords_in(rank, {Axis.PP: rank // (dp * tp) + 1, Axis.DP: dp, Axis.TP: tp})
+    return c[Axis.PP], c[Axis.DP], c[Axis.TP]
 
 
 def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
     """The global rank at mesh coordinates (pp_rank, dp_rank, tp_rank)."""
-    return rank_in({"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}, {"pp": pp_rank + 1, "dp": dp, "tp": tp})
+    return rank_in({Axis.PP: pp_rank, Axis.DP: dp_rank, Axis.TP: tp_rank},
+                   {Axis.PP: pp_rank + 1, Axis.DP: dp, Axis.TP: tp})
 
 
 def axis_members(axis: str, pp: int, dp: int, tp: int) -> list[tuple[int, ...]]:
-    return groups_along(axis, {"pp": pp, "dp": dp, "tp": tp})
+    return groups_along(axis, {Axis.PP: pp, Axis.DP: dp, Axis.TP: tp})
 
 
 @dataclass(frozen=True)
@@ -118,17 +119,17 @@ class Mesh:
         return prod(self.shape.values())
 
     # -- the classic axes ---------------------------------------------------------------------
-    pp = property(lambda self: self.size("pp"))
-    dp = property(lambda self: self.size("dp"))
-    tp = property(lambda self: self.size("tp"))
-    pp_rank = property(lambda self: self.coord("pp"))
-    dp_rank = property(lambda self: self.coord("dp"))
-    tp_rank = property(lambda self: self.coord("tp"))
-    pp_group = property(lambda self: self.group("pp"))
-    dp_group = property(lambda self: self.group("dp"))
-    tp_group = property(lambda self: self.group("tp"))
-    cp = property(lambda self: self.size("cp"))
-    cp_group = property(lambda self: self.group("cp"))
+    pp = property(lambda self: self.size(Axis.PP))
+    dp = property(lambda self: self.size(Axis.DP))
+    tp = property(lambda self: self.size(Axis.TP))
+    pp_rank = property(lambda self: self.coord(Axis.PP))
+    dp_rank = property(lambda self: self.coord(Axis.DP))
+    tp_rank = property(lambda self: self.coord(Axis.TP))
+    pp_group = property(lambda self: self.group(Axis.PP))
+    dp_group = property(lambda self: self.group(Axis.DP))
+    tp_group = property(lambda self: self.group(Axis.TP))
+    cp = property(lambda self: self.size(Axis.CP))
+    cp_group = property(lambda self: self.group(Axis.CP))
 
     @property
     def coords(self) -> tuple[int, int, int]:
@@ -167,7 +168,7 @@ class Mesh:
         """The ranks that hold the same parameters and average their gradients: dp, and with
         context parallelism dp x cp (each cp rank's gradient covers its part of every
         sequence; the average over both is the whole batch's: parallel/context.py)."""
-        return self.group("dp_cp") if "dp_cp" in dict(self.flattened) else self.dp_group
+        return self.group(Axis.DP_CP) if Axis.DP_CP in dict(self.flattened) else self.dp_group
 
     @staticmethod
     def build(pp: int = 1, dp: int = 1, tp: int = 1, timeout=None, dp_shard: int = 0,
@@ -182,13 +183,14 @@ class Mesh:
         if cp > 1:
             if 0 < dp_shard < dp:
                 raise ValueError("context parallelism with HSDP is not built; use one of them")
-            mesh = Mesh.from_sizes({"pp": pp, "dp": dp, "cp": cp, "tp": tp}, timeout)
-            return mesh.flatten("dp_cp", ("dp", "cp"), timeout)
+            mesh = Mesh.from_sizes({Axis.PP: pp, Axis.DP: dp, Axis.CP: cp, Axis.TP: tp}, timeout)
+            return mesh.flatten(Axis.DP_CP, (Axis.DP, Axis.CP), timeout)
         if 0 < dp_shard < dp:
-            sizes = {"pp": pp, "dp_replicate": dp // dp_shard, "dp_shard": dp_shard, "tp": tp}
-            return Mesh.from_sizes(sizes, timeout).flatten("dp", ("dp_replicate", "dp_shard"),
-                                                           timeout)
-        return Mesh.from_sizes({"pp": pp, "dp": dp, "tp": tp}, timeout)
+            sizes = {Axis.PP: pp, Axis.DP_REPLICATE: dp // dp_shard, Axis.DP_SHARD: dp_shard,
+                     Axis.TP: tp}
+            return Mesh.from_sizes(sizes, timeout).flatten(
+                Axis.DP, (Axis.DP_REPLICATE, Axis.DP_SHARD), timeout)
+        return Mesh.from_sizes({Axis.PP: pp, Axis.DP: dp, Axis.TP: tp}, timeout)
 
     def flatten(self, name: str, parts: tuple[str, ...], timeout=None) -> "Mesh":
         """This mesh with one more axis group, ``name``, over the adjacent axes ``parts``

@@ -17,6 +17,7 @@ None when no row carries the figures it needs (the report then omits the chart a
 from __future__ import annotations
 
 import os
+from shardwise.config.names import Strategy
 
 MiB = 2 ** 20
 LEDGER_KEYS = ("parameters", "gradients", "optimizer_states", "master_weights", "comm_buffers",
@@ -239,4 +240,4 @@ def all_charts(rows: list[dict], out: str, validation: dict | None = None) -> di
     return {"throughput": throughput(rows, out), "memory": memory(rows, out),
             "traffic": traffic(rows, out), "scaling": scaling(rows, out),
             "sizes": sizes(rows, out), "busbw": busbw(rows, out),
-            "ps": ps(rows, out), "planner": planner(validation, out)}
+            Strategy.PS: ps(rows, out), "planner": planner(validation, out)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from shardwise.config.names import Strategy
 from shardwise.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig
 from shardwise.run.runtime import init_runtime
 from shardwise.launch.world import run_world
@@ -19,7 +20,7 @@ from shardwise.run.train import train
 def _config(steps: int) -> Config:
     return Config(model=ModelConfig(n_layer=2, n_embd=64, n_head=4, block_size=32),
                   data=DataConfig(dataset="stdlib", max_bytes=500_000),
-                  parallel=ParallelConfig(strategy="ddp"),
+                  parallel=ParallelConfig(strategy=Strategy.DDP),
                   train=TrainConfig(steps=steps, batch_size=16, eval_every=0, eval_batches=1,
                                     device="cpu"),
                   logging=LoggingConfig(progress=False, out_dir="/tmp/shardwise-bench-runs"))

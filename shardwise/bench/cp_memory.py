@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from shardwise.config.names import Axis, Strategy
 
 MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 256}
 SIDES = {"one process": (1, ""), "cp 2 ring": (2, "ring"), "cp 4 ring": (4, "ring"),
@@ -71,8 +72,8 @@ def train_args(cp: int, impl: str, seq: int, steps: int, out_dir: str) -> list[s
             "--dataset", "synthetic", "--eval-every", "0", "--eval-batches", "1",
             "--log-every", "1", "--no-progress", "--out-dir", out_dir, "--run-name", "t"]
     if cp == 1:
-        return args + ["--strategy", "single"]
-    return args + ["--strategy", "ddp", "--nproc-per-node", str(cp), "--cp", str(cp),
+        return args + ["--strategy", Strategy.SINGLE]
+    return args + ["--strategy", Strategy.DDP, "--nproc-per-node", str(cp), "--cp", str(cp),
                    "--cp-impl", impl]
 
 
@@ -101,7 +102,7 @@ def measure(name: str, seq: int, steps: int, seconds: float, scratch: str) -> di
     with open(os.path.join(scratch, f"cp{cp}{impl}-{seq}.log"), "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env(),
                             timeout=seconds).returncode
-    out = {"side": name, "cp": cp, "impl": impl or None, "seq": seq, "returncode": rc,
+    out = {"side": name, Axis.CP: cp, "impl": impl or None, "seq": seq, "returncode": rc,
            "wall_seconds": round(time.perf_counter() - began, 1), **read_run(work)}
     shutil.rmtree(work, ignore_errors=True)
     if len(out["step_seconds"]) >= 2:
@@ -167,7 +168,7 @@ def caged(name: str, seq: int, steps: int, limit: int, seconds: float, scratch: 
     finally:
         for c in cages:                                         # children before the parent
             c.close()
-    out = {"side": name, "cp": cp, "impl": impl or None, "seq": seq, "limit": limit,
+    out = {"side": name, Axis.CP: cp, "impl": impl or None, "seq": seq, "limit": limit,
            "returncode": rc, "oom_kills": kills, "cgroup_peak_per_process": cage_peaks,
            "wall_seconds": round(took, 1), **read_run(work)}
     shutil.rmtree(work, ignore_errors=True)

@@ -44,18 +44,20 @@ import statistics
 import subprocess
 import sys
 import time
+from shardwise.config.names import Strategy
 
 SIZES = {"350m": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
          "1.3b": {"n_layer": 24, "n_embd": 2048, "n_head": 16},
          "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 2}}       # --device cpu only
 CASES = {  # name: (strategy, compile, config sections to override, peer or None)
-    "eager": ("single", False, {}, "loop"),
-    "compiled": ("single", True, {}, "loop"),
-    "checkpointing": ("single", True, {"memory": {"activation_checkpointing": True}}, "loop-ckpt"),
-    "adamw8bit": ("single", True, {"train": {"optimizer": "adamw8bit"}}, None),
-    "zero1-offload": ("zero1", True, {"memory": {"offload": "cpu"}}, None),
-    "ddp-nccl": ("ddp", True, {}, "torch-ddp"),
-    "zero3-nccl": ("zero3", True, {}, "fsdp2"),
+    "eager": (Strategy.SINGLE, False, {}, "loop"),
+    "compiled": (Strategy.SINGLE, True, {}, "loop"),
+    "checkpointing": (Strategy.SINGLE, True, {"memory": {"activation_checkpointing": True}},
+                      "loop-ckpt"),
+    "adamw8bit": (Strategy.SINGLE, True, {"train": {"optimizer": "adamw8bit"}}, None),
+    "zero1-offload": (Strategy.ZERO1, True, {"memory": {"offload": "cpu"}}, None),
+    "ddp-nccl": (Strategy.DDP, True, {}, "torch-ddp"),
+    "zero3-nccl": (Strategy.ZERO3, True, {}, "fsdp2"),
 }
 SKIPPED = "gpu part: skipped (no CUDA device: torch.cuda.is_available() is False)"
 WARMUP = 4      # untimed: compilation, allocator warm-up, the ledger's 3 sampled forwards
@@ -182,7 +184,7 @@ def run_shardwise(cfg, compiled: bool, device) -> dict:
     from shardwise.run.api import optimizer_factory
     from shardwise.models import build_model, lm_loss
     from shardwise.run.runtime import init_runtime
-    if cfg.parallel.strategy != "single":
+    if cfg.parallel.strategy != Strategy.SINGLE:
         world_of_one(device)
     base = _clean(device)
     rt = init_runtime(cfg)

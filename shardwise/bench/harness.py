@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from shardwise.config.names import Strategy
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def timed_steps(step_fn: Callable[[], None], steps: int, warmup: int = 2) -> flo
     return statistics.median(times)
 
 
-def gpt_bench_config(strategy: str = "single", **overrides):
+def gpt_bench_config(strategy: str = Strategy.SINGLE, **overrides):
     """The benchmark GPT of DESIGN.md: 4 layers, width 256, seq 128, byte vocab (3.3M params)."""
     from dataclasses import replace
     from shardwise.config import (Config, DataConfig, LoggingConfig, ModelConfig,

@@ -45,8 +45,9 @@ import sys
 import tempfile
 import threading
 import time
+from shardwise.config.names import Strategy
 
-SIDES = ("zero3", "zero3-offload-disk", "fsdp2", "fsdp2-cpu-offload")
+SIDES = (Strategy.ZERO3, "zero3-offload-disk", "fsdp2", "fsdp2-cpu-offload")
 HEAD_DIM = 64
 SEQ, BATCH, STEPS, VOCAB = 64, 2, 3, 256
 GiB = 2 ** 30
@@ -174,7 +175,7 @@ class DiskWatch:
 
 
 def _shardwise_cmd(side: str, n_layer: int, width: int, work: str) -> list[str]:
-    cmd = [sys.executable, "-m", "shardwise.cli", "train", "--strategy", "zero3",
+    cmd = [sys.executable, "-m", "shardwise.cli", "train", "--strategy", Strategy.ZERO3,
            "--n-layer", str(n_layer), "--n-embd", str(width), "--n-head", str(width // HEAD_DIM),
            "--block-size", str(SEQ), "--vocab-size", str(VOCAB), "--batch-size", str(BATCH),
            "--steps", str(STEPS), "--repeat-batch", "--lr", "1e-6", "--warmup-steps", "0",
@@ -194,7 +195,7 @@ def _torch_cmd(side: str, n_layer: int, width: int, work: str) -> list[str]:
 
 def _steps_of(side: str, work: str) -> tuple[list[dict], list[int]]:
     """(per-step loss and seconds, peak RSS per rank) that the trial wrote."""
-    if side.startswith("zero3"):
+    if side.startswith(Strategy.ZERO3):
         metrics = glob.glob(os.path.join(work, "runs", "*", "metrics.jsonl"))
         steps = []
         if metrics:
@@ -244,7 +245,8 @@ def trial(side: str, n_layer: int, width: int, cage_limit: int, seconds: float,
             shutil.rmtree(work, ignore_errors=True)
             return {**out, "fits": False, "reason": f"too slow: state {16 * params / GiB:.1f} "
                     f"GiB would not fit the disk's {free / GiB:.1f} GiB free"}
-    cmd = (_shardwise_cmd if side.startswith("zero3") else _torch_cmd)(side, n_layer, width, work)
+    make = _shardwise_cmd if side.startswith(Strategy.ZERO3) else _torch_cmd
+    cmd = make(side, n_layer, width, work)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
     cage = MemoryCage(cage_limit, f"shardwise-largest-{os.getpid()}-{side}-{width}")
     disk = DiskWatch(work)

@@ -52,10 +52,11 @@ import sys
 import time
 
 import torch
+from shardwise.config.names import ZERO_STRATEGIES, Strategy
 from shardwise.bench.peers import same_optimizer
 
 MODEL = {"n_layer": 8, "n_embd": 768, "n_head": 12, "block_size": 128, "vocab_size": 256}
-SIDES = ("ddp", "zero1", "zero2", "zero3", "torch-ddp", "fsdp2")
+SIDES = (Strategy.DDP, Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3, "torch-ddp", "fsdp2")
 MiB = 2 ** 20
 
 
@@ -127,7 +128,8 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4,
     from shardwise.data import build_data
     from shardwise.models import build_model, lm_loss
     threads_for(world)
-    cfg = _cfg(kind if kind in ("ddp", "zero1", "zero2", "zero3") else "single", steps, batch)
+    ours = kind in (Strategy.DDP, *ZERO_STRATEGIES)
+    cfg = _cfg(kind if ours else Strategy.SINGLE, steps, batch)
     cfg = replace(cfg, memory=replace(cfg.memory, **(memory or {})))
     # what every side pays before it holds any training state: the data, and the modules the
     # first torch.optim optimizer imports (torch._dynamo: ~74 MiB of resident code and data)
@@ -138,7 +140,7 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4,
     params = sum(p.numel() for p in model.parameters())
     ledger, per = None, batch // world
     state = {"step": 0}
-    if kind in ("ddp", "zero1", "zero2", "zero3"):
+    if kind in (Strategy.DDP, *ZERO_STRATEGIES):
         import shardwise
         from shardwise.run.api import optimizer_factory
         from shardwise.run.runtime import init_runtime
@@ -174,7 +176,7 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4,
     sampler = RssSampler()
     seconds = timed_steps(step, max(1, steps - 1), warmup=1)
     trained = sampler.stop()
-    if kind in ("ddp", "zero1", "zero2", "zero3"):
+    if kind in (Strategy.DDP, *ZERO_STRATEGIES):
         ledger = engine.strategy.memory_ledger()
         instant = engine.strategy.memory_at_peak()     # sampled at the peak (parallel/ledger.py)
         engine.close()
@@ -283,8 +285,9 @@ def table(res: dict) -> str:
     lines = ["| side | peak RSS / rank (MiB) | vs torch DDP | vs FSDP2 | peak - baseline (MiB) "
              "| ledger sum (MiB) | sum / used | ledger at peak (MiB) | at peak / used | at peak is |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    names = {"ddp": "shardwise DDP", "zero1": "shardwise ZeRO-1", "zero2": "shardwise ZeRO-2",
-             "zero3": "shardwise ZeRO-3", "torch-ddp": "torch DDP", "fsdp2": "torch FSDP2"}
+    names = {Strategy.DDP: "shardwise DDP", Strategy.ZERO1: "shardwise ZeRO-1",
+             Strategy.ZERO2: "shardwise ZeRO-2", Strategy.ZERO3: "shardwise ZeRO-3",
+             "torch-ddp": "torch DDP", "fsdp2": "torch FSDP2"}
     for kind in SIDES:
         r = res[kind]
         used = r["peak"] - r["baseline"]

@@ -27,10 +27,12 @@ import tempfile
 
 import torch
 
+from shardwise.config.names import Axis, Strategy
 from shardwise.bench.memory import MODEL, MiB, _returning_malloc, _rss_now
 
-LAYOUTS = {"zero3": {"strategy": "zero3"}, "tp2": {"strategy": "tp", "tp": 2},
-           "pp2": {"strategy": "pp", "pp": 2}}
+LAYOUTS = {Strategy.ZERO3: {"strategy": Strategy.ZERO3},
+           "tp2": {"strategy": Strategy.TP, Axis.TP: 2},
+           "pp2": {"strategy": Strategy.PP, Axis.PP: 2}}
 
 
 def _peak_reset() -> None:

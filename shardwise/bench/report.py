@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+from shardwise.config.names import Strategy
 from shardwise.bench.charts import all_charts
 
 PLANNER = "planner_validation.json"
@@ -27,7 +28,7 @@ CAPTIONS = {"throughput": "Throughput, ours / the PyTorch peer of each row",
             "scaling": "Scaling with world size (rows of one series)",
             "sizes": "Cost against model size: tokens/s and peak RSS (the size: series)",
             "busbw": "Ring allreduce against the backend's, over message sizes",
-            "ps": "Parameter server with a straggler: loss curves and throughput",
+            Strategy.PS: "Parameter server with a straggler: loss curves and throughput",
             "planner": f"Planner prediction against measurement ({PLANNER})"}
 
 

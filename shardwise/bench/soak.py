@@ -26,9 +26,10 @@ import json
 import os
 import sys
 import time
+from shardwise.config.names import Strategy
 
 MiB = 2 ** 20
-SIDES = {"ddp": {}, "ps": {"num_ps": 1, "ps_mode": "sync"}}
+SIDES = {Strategy.DDP: {}, Strategy.PS: {"num_ps": 1, "ps_mode": "sync"}}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -24,6 +24,7 @@ import resource
 import statistics
 import sys
 
+from shardwise.config.names import Strategy
 from shardwise.bench.memory import (MODEL, MiB, _returning_malloc, _rss_now, cli_args, ledger_total,
                                write_results)
 
@@ -43,15 +44,16 @@ def _reset_peak() -> None:
 
 LORA = {"lora_rank": 8, "lora_targets": "*attn.qkv,*attn.proj,*mlp.fc,*mlp.proj"}
 SIDES = {
-    "ddp (baseline)": ("ddp", {}, {}),
-    "freeze blocks 0-3": ("ddp", {"freeze": "blocks.0.*,blocks.1.*,blocks.2.*,blocks.3.*"}, {}),
-    "LoRA r8": ("ddp", LORA, {}),
-    "8-bit AdamW": ("ddp", {}, {"optimizer": "adamw8bit"}),
-    "bf16": ("ddp", {"mixed_precision": "bf16"}, {}),
-    "activation checkpointing": ("ddp", {"activation_checkpointing": True}, {}),
-    "grad accumulation 2": ("ddp", {"grad_accum": 2}, {}),
-    "zero2": ("zero2", {}, {}),
-    "zero2 + bf16 + ckpt + 8-bit + LoRA": ("zero2", {**LORA, "mixed_precision": "bf16",
+    "ddp (baseline)": (Strategy.DDP, {}, {}),
+    "freeze blocks 0-3": (Strategy.DDP,
+                          {"freeze": "blocks.0.*,blocks.1.*,blocks.2.*,blocks.3.*"}, {}),
+    "LoRA r8": (Strategy.DDP, LORA, {}),
+    "8-bit AdamW": (Strategy.DDP, {}, {"optimizer": "adamw8bit"}),
+    "bf16": (Strategy.DDP, {"mixed_precision": "bf16"}, {}),
+    "activation checkpointing": (Strategy.DDP, {"activation_checkpointing": True}, {}),
+    "grad accumulation 2": (Strategy.DDP, {"grad_accum": 2}, {}),
+    Strategy.ZERO2: (Strategy.ZERO2, {}, {}),
+    "zero2 + bf16 + ckpt + 8-bit + LoRA": (Strategy.ZERO2, {**LORA, "mixed_precision": "bf16",
                                                      "activation_checkpointing": True},
                                            {"optimizer": "adamw8bit"}),
 }

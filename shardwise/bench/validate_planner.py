@@ -27,6 +27,7 @@ from dataclasses import replace
 
 import torch
 
+from shardwise.config.names import Axis, Strategy
 from shardwise.bench.harness import gpt_bench_config
 from shardwise.launch import auto as autoplan
 from shardwise.planner import Layout, estimate
@@ -37,17 +38,17 @@ MEM_GOAL, TIME_GOAL = 0.10, 0.25
 
 # strategy -> (world, parallel overrides, the planner's layout of that run; batch 8)
 CASES = {
-    "single": (1, {}, Layout(micro_batch=8)),
-    "dp": (1, {"replicas": 2}, Layout(micro_batch=4)),        # 2 replicas in one process
-    "ddp": (2, {}, Layout(dp=2, micro_batch=4)),
-    "zero1": (2, {}, Layout(dp=2, zero=1, micro_batch=4)),
-    "zero2": (2, {}, Layout(dp=2, zero=2, micro_batch=4)),
-    "zero3": (2, {}, Layout(dp=2, zero=3, micro_batch=4)),
-    "tp": (2, {"tp": 2}, Layout(tp=2, micro_batch=8)),
-    "pp": (2, {"pp": 2, "num_microbatches": 4}, Layout(pp=2, micro_batch=2)),
-    "3d": (4, {"dp": 2, "pp": 2, "num_microbatches": 2, "zero1_over_dp": True},
+    Strategy.SINGLE: (1, {}, Layout(micro_batch=8)),
+    Strategy.DP: (1, {"replicas": 2}, Layout(micro_batch=4)),        # 2 replicas in one process
+    Strategy.DDP: (2, {}, Layout(dp=2, micro_batch=4)),
+    Strategy.ZERO1: (2, {}, Layout(dp=2, zero=1, micro_batch=4)),
+    Strategy.ZERO2: (2, {}, Layout(dp=2, zero=2, micro_batch=4)),
+    Strategy.ZERO3: (2, {}, Layout(dp=2, zero=3, micro_batch=4)),
+    Strategy.TP: (2, {Axis.TP: 2}, Layout(tp=2, micro_batch=8)),
+    Strategy.PP: (2, {Axis.PP: 2, "num_microbatches": 4}, Layout(pp=2, micro_batch=2)),
+    Strategy.THREE_D: (4, {Axis.DP: 2, Axis.PP: 2, "num_microbatches": 2, "zero1_over_dp": True},
            Layout(dp=2, pp=2, zero=1, micro_batch=2)),
-    "ps": (3, {"num_ps": 1, "num_workers": 2}, Layout(dp=2, num_ps=1, micro_batch=4)),
+    Strategy.PS: (3, {"num_ps": 1, "num_workers": 2}, Layout(dp=2, num_ps=1, micro_batch=4)),
 }
 
 
@@ -75,7 +76,7 @@ def predicted(name: str, layout: Layout, cfg, hw) -> tuple[dict, float]:
     mem = {k: e.memory[k] for k in STATES}
     mem["comm_buffers"] = e.memory["buffers"]
     step, mem["role"] = e.step_s, e.memory_role
-    if name == "dp":
+    if name == Strategy.DP:
         step = _dp_step(layout, cfg, hw, e)
         replicas = cfg.parallel.replicas   # R copies of the states in the one process
         mem = {k: v * (replicas if k in STATES else 1) for k, v in mem.items() if k != "role"}
@@ -167,7 +168,7 @@ def validate_one(name: str, steps: int, calibrations: Calibrations, reps: int = 
     from shardwise.launch.world import run_world
     world, par, layout = CASES[name]
     cfg = gpt_bench_config(name, parallel=par, train={"steps": steps})
-    computing = par.get("num_workers", world) if name == "ps" else world
+    computing = par.get("num_workers", world) if name == Strategy.PS else world
     worlds = sorted({world, computing})
     pred_mem, first = predicted(name, layout, cfg, _hardware(calibrations.before(cfg, worlds),
                                                               world, computing))

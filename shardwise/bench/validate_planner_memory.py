@@ -36,12 +36,13 @@ import resource
 import time
 from dataclasses import replace
 
+from shardwise.config.names import Axis, Strategy
 from shardwise.bench.memory import MODEL, MiB, _returning_malloc, _rss_now
 from shardwise.bench.validate_planner import CASES, RESULTS, _gap, _pct, _same_role, write_results
 
 GOAL = 0.10
 BATCH = 4                  # global batch (sequences): model states dominate at 57M
-MICROBATCHES = {"pp": 2, "3d": 2}      # pipeline micro-batches per step (mb 2 and 1)
+MICROBATCHES = {Strategy.PP: 2, Strategy.THREE_D: 2}      # pipeline micro-batches per step (mb 2 and 1)
 SHOWN = ("parameters", "gradients", "optimizer_states", "master_weights", "activations",
          "buffers")
 
@@ -115,7 +116,7 @@ def predicted(name: str, cfg, layout, hw) -> dict:
     from shardwise.planner.memory import memory
     spec = autoplan.model_spec(cfg)          # fused attention: models/gpt.py uses SDPA
     batch = autoplan.batch_of(cfg)
-    copies = cfg.parallel.replicas if name == "dp" else 1     # dp: R whole replicas, at once
+    copies = cfg.parallel.replicas if name == Strategy.DP else 1     # dp: R whole replicas, at once
     batch = replace(batch, global_batch=max(1, batch.global_batch // copies))   # one replica's
     e = estimate(layout, spec, hw, batch)
     mem = memory(layout, spec, hw, batch)

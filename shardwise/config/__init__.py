@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-STRATEGIES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "tp", "pp", "3d", "ps", "auto")
+from shardwise.config.names import STRATEGIES, Strategy
+
 DATASETS = ("stdlib", "digits", "mnist", "fashion-mnist", "synthetic", "text")
 MODELS = ("gpt", "lenet", "hf:gpt2", "hf:llama")   # or a user's package.module:function
 
@@ -93,7 +94,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    strategy: str = _f("ddp", "how the work is split across processes", STRATEGIES)
+    strategy: str = _f(Strategy.DDP.value, "how the work is split across processes", STRATEGIES)
     nproc_per_node: int = _f(0, "processes to start on this machine; 0 = one per GPU, or 2 on CPU")
     dp: int = _f(0, "data-parallel size; 0 = whatever the world size leaves after tp and pp")
     tp: int = _f(1, "tensor-parallel size (innermost mesh axis)")

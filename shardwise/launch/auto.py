@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from shardwise.launch.calibrate import (Calibration, Compute, batch_of, calibrate,  # noqa: F401
                                  measure_compute, model_spec, processes)
 from shardwise.config import Config, ConfigError, flag_of, section_fields
+from shardwise.config.names import Strategy
 from shardwise.planner import Estimate, Layout, Ranking, PlanError, plan
 from shardwise.planner.units import fmt_bytes, fmt_seconds
 
@@ -34,8 +35,8 @@ def to_config(layout: Layout, cfg: Config) -> tuple[Config, dict]:
     """
     share = cfg.train.batch_size // layout.dp
     m = max(1, share // layout.micro_batch)
-    par = {"strategy": layout.kind, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
-           "nproc_per_node": layout.world if layout.world > 1 else 0}
+    par = dict(strategy=layout.kind, dp=layout.dp, tp=layout.tp, pp=layout.pp,
+               nproc_per_node=layout.world if layout.world > 1 else 0)
     mem = {"offload": layout.offload, "activation_checkpointing": layout.act_ckpt,
            "grad_accum": 1 if layout.pp > 1 else m,
            "offload_params": layout.offload_params != "none"}
@@ -46,14 +47,14 @@ def to_config(layout: Layout, cfg: Config) -> tuple[Config, dict]:
         par["sequence_parallel"] = layout.sequence_parallel
     if hasattr(cfg.parallel, "cp"):      # cp_impl is read only with cp > 1
         par.update(cp=layout.cp, **({"cp_impl": layout.cp_impl} if layout.cp > 1 else {}))
-    if layout.kind in ("single", "ps"):
-        par["dp"] = 0
-    if layout.kind == "ps":
+    if layout.kind in (Strategy.SINGLE, Strategy.PS):
+        par.update(dp=0)
+    if layout.kind == Strategy.PS:
         par.update(num_ps=layout.num_ps, num_workers=layout.dp)
     if layout.pp > 1:
         par.update(schedule=layout.schedule, num_microbatches=m,
                    virtual_stages=layout.virtual_stages)
-    if layout.kind == "3d":
+    if layout.kind == Strategy.THREE_D:
         par["zero1_over_dp"] = layout.zero == 1
     new = replace(cfg, parallel=replace(cfg.parallel, **par), memory=replace(cfg.memory, **mem))
     changes = {f"parallel.{k}": v for k, v in par.items()}

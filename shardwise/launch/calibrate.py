@@ -34,6 +34,7 @@ import torch
 
 from shardwise.launch.calibrate_links import gpu_links, measure_links
 from shardwise.config import Config, ConfigError
+from shardwise.config.names import Strategy
 from shardwise.planner import Batch, Hardware, ModelSpec
 from shardwise.planner.units import fmt_bytes
 
@@ -305,7 +306,7 @@ def _optimizer_rate(cfg: Config, model: torch.nn.Module, device: torch.device, a
 def processes(cfg: Config) -> int:
     """The process count a multi-process strategy gets here (``launch.local_world_size``)."""
     from shardwise.launch import torchrun as launch
-    p = replace(cfg.parallel, strategy="ddp", dp=0, tp=1, pp=1)
+    p = replace(cfg.parallel, strategy=Strategy.DDP, dp=0, tp=1, pp=1)
     return launch.local_world_size(replace(cfg, parallel=p))
 
 

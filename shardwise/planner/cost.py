@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.config.names import Axis, Strategy
 from shardwise.planner import comm, kernels, offload
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Hardware
@@ -121,16 +122,16 @@ def _check(layout: Layout, model: ModelSpec, hw: Hardware) -> None:
         raise PlanError("layout", layout.describe(), f"needs {layout.world} devices",
                         f"fit it in the {hw.world_size} devices of the machine")
     if model.heads % layout.tp or model.hidden % layout.tp:
-        raise PlanError("tp", layout.tp, f"does not divide {model.heads} heads",
+        raise PlanError(Axis.TP, layout.tp, f"does not divide {model.heads} heads",
                         "pick a tp that divides the number of heads")
     if layout.pp > model.layers:
-        raise PlanError("pp", layout.pp, f"exceeds the model's {model.layers} layers",
+        raise PlanError(Axis.PP, layout.pp, f"exceeds the model's {model.layers} layers",
                         "use at most one stage per layer")
     if model.seq_len % (2 * layout.cp) and layout.cp > 1:
-        raise PlanError("cp", layout.cp, f"cuts each sequence into 2 x cp chunks, which do not "
+        raise PlanError(Axis.CP, layout.cp, f"cuts each sequence into 2 x cp chunks, which do not "
                         f"divide seq_len {model.seq_len}", "pick a cp with 2 x cp dividing it")
     if layout.cp_impl == "ulysses" and layout.cp > 1 and (model.heads // layout.tp) % layout.cp:
-        raise PlanError("cp", layout.cp, f"Ulysses splits a rank's {model.heads // layout.tp} "
+        raise PlanError(Axis.CP, layout.cp, f"Ulysses splits a rank's {model.heads // layout.tp} "
                         "heads over cp, which does not divide them", "ring, or another cp")
 
 
@@ -223,8 +224,8 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
     bubble_s = pipe - m * slot
     step = pipe + once + optimizer_s + offload_s + ps
     across = dp.across_replicas * (1 if layout.zero == 1 else m)
-    traffic = {"tp": m * tp, "cp": m * cp, "p2p": m * p2p, "ps": ps,
-               "dp": m * (dp.per_microbatch_rs + dp.per_microbatch_ag) + dp.last_backward
+    traffic = {Axis.TP: m * tp, Axis.CP: m * cp, "p2p": m * p2p, Strategy.PS: ps,
+               Axis.DP: m * (dp.per_microbatch_rs + dp.per_microbatch_ag) + dp.last_backward
                + dp.after_step - across, "replicas": across}
     tokens = batch.global_batch * model.seq_len
     why = _why_not(mem, hw)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from shardwise.config.names import ZERO_STRATEGIES, Axis, Strategy
 from shardwise.planner.cost import Estimate
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Layout
@@ -45,7 +46,7 @@ class Guide:
 
 
 def _is_zero(lay: Layout) -> bool:
-    return lay.kind in ("zero1", "zero2", "zero3")
+    return lay.kind in ZERO_STRATEGIES
 
 
 def guide(nodes: int, devices_per_node: int, fits_one: bool, nvlink: bool,
@@ -54,21 +55,22 @@ def guide(nodes: int, devices_per_node: int, fits_one: bool, nvlink: bool,
     if nodes * devices_per_node == 1:
         if fits_one:
             return Guide("one GPU, the model fits", "use it as is",
-                         lambda lay: lay.kind == "single")
+                         lambda lay: lay.kind == Strategy.SINGLE)
         return Guide("one GPU, the model does not fit", "offload to the CPU",
                      lambda lay: lay.offloaded)
     if nodes == 1:
         if fits_one:
             return Guide("one node, the model fits one GPU", "DDP or ZeRO",
-                         lambda lay: lay.kind == "ddp" or _is_zero(lay))
+                         lambda lay: lay.kind == Strategy.DDP or _is_zero(lay))
         if not nvlink:
             return Guide("one node without NVLink, the model does not fit one GPU", "PP",
                          lambda lay: lay.pp > 1 and lay.tp == 1)
         return Guide("one node with NVLink, the model does not fit one GPU", "TP, ZeRO or PP",
-                     lambda lay: lay.kind in ("tp", "pp", "3d") or _is_zero(lay))
+                     lambda lay: lay.kind in (Strategy.TP, Strategy.PP, Strategy.THREE_D)
+                     or _is_zero(lay))
     if inter_bw >= FAST_NETWORK:
         return Guide("several nodes on a fast network", "ZeRO or 3D parallelism",
-                     lambda lay: lay.kind == "3d" or _is_zero(lay))
+                     lambda lay: lay.kind == Strategy.THREE_D or _is_zero(lay))
     if not fits_one:
         return Guide("several nodes on a slow network, little memory", "DP + PP + TP + ZeRO-1",
                      lambda lay: min(lay.dp, lay.tp, lay.pp) > 1 and lay.zero == 1)
@@ -209,7 +211,7 @@ def axes_note(winner: Estimate | None, fitting: list[Estimate], hw: Hardware,
         lines.append(f"Why context parallelism (cp={lay.cp}, {lay.cp_impl}): each rank keeps "
                      f"the activations of 1/{lay.cp} of every sequence "
                      f"({fmt_bytes(winner.memory.get('activations', 0.0))} per device) for "
-                     f"{fmt_seconds(winner.comm.get('cp', 0.0))} of attention traffic per step; "
+                     f"{fmt_seconds(winner.comm.get(Axis.CP, 0.0))} of attention traffic per step; "
                      f"with those ranks as data-parallel replicas "
                      f"({without_cp.layout.describe()}) the layout {why}.")
     return "\n".join(lines)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from shardwise.config.names import AXES, STRATEGIES, ZERO_STRATEGIES, Axis, Strategy
 from shardwise.planner.errors import PlanError
 
-KINDS = ("single", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "3d", "ps")
+KINDS = tuple(s for s in STRATEGIES if s not in (Strategy.DP, Strategy.AUTO))
 """Layout kinds, named as ``shardwise train --strategy`` names them."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 """Pipeline schedules, named as ``shardwise train --schedule`` names them."""
@@ -102,7 +103,7 @@ class Layout:
     """Gradient bucket size for DDP / ZeRO reductions (torch DDP's default, 25 MiB)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batch"):
+        for name in (*AXES, "micro_batch"):
             if getattr(self, name) < 1:
                 raise PlanError(name, getattr(self, name), "is below 1", f"set {name} >= 1")
         if self.zero not in (0, 1, 2, 3):
@@ -151,10 +152,10 @@ class Layout:
             raise PlanError("sequence_parallel", True, "needs tensor parallelism (it splits "
                             "activations by tp)", "use sequence parallelism with tp >= 2")
         if self.cp < 1 or self.cp_impl not in CP_IMPLS:
-            raise PlanError("cp", f"{self.cp} {self.cp_impl}", "is not a context-parallel "
+            raise PlanError(Axis.CP, f"{self.cp} {self.cp_impl}", "is not a context-parallel "
                             "size and implementation", "use cp >= 1 with ring or ulysses")
         if self.cp > 1 and (self.hsdp or self.sequence_parallel or self.num_ps):
-            raise PlanError("cp", self.cp, "does not run with HSDP, sequence parallelism or "
+            raise PlanError(Axis.CP, self.cp, "does not run with HSDP, sequence parallelism or "
                             "parameter servers (shardwise train refuses them)",
                             "use cp with dp, ZeRO, tp and pp only")
 
@@ -193,15 +194,15 @@ class Layout:
     def kind(self) -> str:
         """The strategy name: single, ddp, zero1-3, tp, pp, 3d or ps."""
         if self.num_ps:
-            return "ps"
-        split = [n for n in ("dp", "tp", "pp") if getattr(self, n) > 1]
-        if split in (["tp"], ["pp"]) and not self.zero and self.cp == 1:
-            return split[0]
+            return Strategy.PS
+        split = [n for n in AXES if getattr(self, n) > 1]
+        if split in ([Axis.TP], [Axis.PP]) and not self.zero and self.cp == 1:
+            return Strategy(split[0])      # the axis alone: the tp or pp strategy
         if self.tp > 1 or self.pp > 1:
-            return "3d"
+            return Strategy.THREE_D
         if self.zero:
-            return f"zero{self.zero}"
-        return "ddp" if self.dp * self.cp > 1 else "single"
+            return ZERO_STRATEGIES[self.zero - 1]
+        return Strategy.DDP if self.dp * self.cp > 1 else Strategy.SINGLE
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches each replica runs per step (rounded up: the last may be short)."""
@@ -214,10 +215,11 @@ class Layout:
         if self.num_ps:
             parts += [f"workers={self.dp}", f"servers={self.num_ps}"]
         else:
-            parts += [f"{n}={getattr(self, n)}" for n in ("dp", "tp", "pp") if getattr(self, n) > 1]
+            parts += [f"{n}={getattr(self, n)}" for n in (Axis.DP, Axis.TP, Axis.PP)
+                      if getattr(self, n) > 1]
         if self.hsdp:
             parts.append(f"hsdp={self.dp_replicate}x{self.dp_shard}")
-        if self.zero and self.kind not in ("zero1", "zero2", "zero3"):
+        if self.zero and self.kind not in ZERO_STRATEGIES:
             parts.append(f"zero{self.zero}")
         if self.offload != "none":
             parts.append(f"offload={self.offload}")

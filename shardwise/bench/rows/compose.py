@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.config.names import Axis, Strategy
 from shardwise.bench.harness import Row, gpt_bench_config, threads_for, timed_steps
 from shardwise.bench.peers import ours_tokens_per_s
 from shardwise.bench.rows.model_parallel import dtensor_block
@@ -23,7 +24,7 @@ STEPS = 10
 
 
 def _cfg(steps=STEPS, **parallel):
-    return gpt_bench_config("3d", parallel=parallel, train={"steps": steps},
+    return gpt_bench_config(Strategy.THREE_D, parallel=parallel, train={"steps": steps},
                             logging={"schedule_png": "off"})
 
 
@@ -47,14 +48,14 @@ def fsdp2_dtensor_tp(rank, world, steps=STEPS, **_):
     dp, tp = world // 2, 2
     cfg = _cfg(steps, dp=dp, tp=tp, zero_stage=3)
     data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=(Axis.DP, Axis.TP))
     for block in model.blocks:
-        dtensor_block(block, mesh["tp"], tp, cfg.model.n_embd)
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        dtensor_block(block, mesh[Axis.TP], tp, cfg.model.n_embd)
+        fully_shard(block, mesh=mesh[Axis.DP])
+    fully_shard(model, mesh=mesh[Axis.DP])
     opt = same_optimizer(cfg, model.parameters())
     b, state = cfg.train.batch_size, {"step": 0}
-    dp_rank = mesh["dp"].get_local_rank()
+    dp_rank = mesh[Axis.DP].get_local_rank()
 
     def step():
         x, y = data.batch(state["step"], b, dp_rank, dp)

@@ -6,6 +6,7 @@ each cp rank holds the activations of S/cp positions). The benchmark GPT
 (pytorch/pytorch#147793), and these rows run on CPU."""
 from __future__ import annotations
 
+from shardwise.config.names import Strategy
 from shardwise.bench.harness import Row, gpt_bench_config
 from shardwise.bench.peers import ours_tokens_per_s
 
@@ -20,16 +21,16 @@ def _cfg(strategy: str, seq: int, **parallel):
 
 
 def ours_ring(rank, world, seq=LONG):
-    return ours_tokens_per_s(_cfg("ddp", seq, cp=world, cp_impl="ring"), world)
+    return ours_tokens_per_s(_cfg(Strategy.DDP, seq, cp=world, cp_impl="ring"), world)
 
 
 def ours_ulysses(rank, world, seq=LONG):
-    return ours_tokens_per_s(_cfg("ddp", seq, cp=world, cp_impl="ulysses"), world)
+    return ours_tokens_per_s(_cfg(Strategy.DDP, seq, cp=world, cp_impl="ulysses"), world)
 
 
 def one_process(rank, world, seq=LONG):
     # world is 1 here: one process, both cores, the whole sequence
-    return ours_tokens_per_s(_cfg("single", seq), 1)
+    return ours_tokens_per_s(_cfg(Strategy.SINGLE, seq), 1)
 
 
 ROWS = [

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from shardwise.config.names import Strategy
 from shardwise.bench.harness import Row, gpt_bench_config, parameters, sized_config, threads_for
 from shardwise.bench.peers import (ours_sized, ours_tokens_per_s, plain_loop_tokens_per_s,
                                    torch_ddp_tokens_per_s)
@@ -15,22 +16,22 @@ STEPS = 14
 
 
 def ddp(rank, world, steps=STEPS, **parallel):
-    return ours_tokens_per_s(gpt_bench_config("ddp", parallel=parallel,
+    return ours_tokens_per_s(gpt_bench_config(Strategy.DDP, parallel=parallel,
                                               train={"steps": steps}), world)
 
 
 def torch_ddp(rank, world, steps=STEPS, **parallel):
-    return {"items_per_s": torch_ddp_tokens_per_s(gpt_bench_config("ddp"), rank, world,
+    return {"items_per_s": torch_ddp_tokens_per_s(gpt_bench_config(Strategy.DDP), rank, world,
                                                   bucket_mb=parallel.get("bucket_mb", 25.0),
                                                   steps=steps - 2)}
 
 
 def ddp_sized(rank, world, size="3m", steps=STEPS, **parallel):
-    return ours_sized("ddp", size, steps, world, **parallel)
+    return ours_sized(Strategy.DDP, size, steps, world, **parallel)
 
 
 def torch_ddp_sized(rank, world, size="3m", steps=STEPS, **parallel):
-    cfg = sized_config("ddp", size, steps)
+    cfg = sized_config(Strategy.DDP, size, steps)
     return {"items_per_s": torch_ddp_tokens_per_s(cfg, rank, world,
                                                   bucket_mb=parallel.get("bucket_mb", 25.0),
                                                   steps=steps - 2),
@@ -39,7 +40,7 @@ def torch_ddp_sized(rank, world, size="3m", steps=STEPS, **parallel):
 
 def one_process_two_threads(rank, world, **parallel):
     # world is 1 here: one process, both cores
-    return {"items_per_s": plain_loop_tokens_per_s(gpt_bench_config("single"), rank, world,
+    return {"items_per_s": plain_loop_tokens_per_s(gpt_bench_config(Strategy.SINGLE), rank, world,
                                                    steps=STEPS - 2)}
 
 
@@ -53,7 +54,7 @@ def ddp_native(rank, world, **parallel):
 
 def dp_replicas(rank, world, **parallel):
     # one process driving 2 replicas with 2 threads on the 2 cores
-    return ours_tokens_per_s(gpt_bench_config("dp", parallel={"replicas": 2},
+    return ours_tokens_per_s(gpt_bench_config(Strategy.DP, parallel={"replicas": 2},
                                               train={"steps": STEPS}), world)
 
 
@@ -107,13 +108,13 @@ ROWS = [
     # the same row at world 1, 2 and 4 (series "ddp": the report's scaling chart); the global
     # batch stays 8 (strong scaling), on however many cores the machine has
     Row("ddp-vs-torch-ddp-w1", ddp, torch_ddp, world=1, args={"bucket_mb": 25.0},
-        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel", series="ddp",
+        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel", series=Strategy.DDP,
         quick_args={"steps": 6}),
     Row("ddp-vs-torch-ddp", ddp, torch_ddp, world=2, args={"bucket_mb": 25.0},
-        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel", series="ddp",
+        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel", series=Strategy.DDP,
         quick_args={"steps": 6}),
     Row("ddp-vs-torch-ddp-w4", ddp, torch_ddp, world=4, args={"bucket_mb": 25.0},
-        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel", series="ddp",
+        goal="ratio >= 1.0", peer_name="torch DistributedDataParallel", series=Strategy.DDP,
         quick_args={"steps": 6}),
     # the scaling family by model size (series "size:ddp": the report's sizes chart), world 2
     *[Row(f"ddp-vs-torch-ddp-size-{size}", ddp_sized, torch_ddp_sized, world=2,

@@ -2,16 +2,17 @@
 on the same optimizer (the loop's own cost), and as a product: ``shardwise train`` with its
 defaults against the loop a user writes with torch's defaults (``torch.optim.AdamW(params, lr)``,
 whose CPU step is a loop over tensors; ours is fused: train.optimizer_kernel)."""
+from shardwise.config.names import Strategy
 from shardwise.bench.harness import Row, gpt_bench_config
 from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s
 
 
 def ours(rank, world, steps):
-    return ours_tokens_per_s(gpt_bench_config("single", train={"steps": steps}), world)
+    return ours_tokens_per_s(gpt_bench_config(Strategy.SINGLE, train={"steps": steps}), world)
 
 
 def peer(rank, world, steps):
-    cfg = gpt_bench_config("single")
+    cfg = gpt_bench_config(Strategy.SINGLE)
     return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, steps=steps - 2)}
 
 
@@ -22,8 +23,8 @@ GPT_57M = {"n_layer": 8, "n_embd": 768, "n_head": 12, "block_size": 128, "vocab_
 def _config(size: str, steps: int | None = None):
     train = {"steps": steps} if steps else {}
     if size == "57m":
-        return gpt_bench_config("single", model=GPT_57M, train={**train, "batch_size": 4})
-    return gpt_bench_config("single", train=train)
+        return gpt_bench_config(Strategy.SINGLE, model=GPT_57M, train={**train, "batch_size": 4})
+    return gpt_bench_config(Strategy.SINGLE, train=train)
 
 
 def ours_sized(rank, world, steps, size="3m"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.config.names import Strategy
 from shardwise.bench.harness import Row, gpt_bench_config, threads_for, timed_steps
 from shardwise.bench.peers import ours_tokens_per_s
 from shardwise.data import build_data
@@ -25,7 +26,7 @@ def _cfg(strategy: str, **parallel):
 
 
 def ours_tp_llama(rank, world, **_):
-    return ours_tokens_per_s(_cfg("tp", tp=world), world)
+    return ours_tokens_per_s(_cfg(Strategy.TP, tp=world), world)
 
 
 LLAMA_TP = {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col",
@@ -40,7 +41,7 @@ def dtensor_tp_llama(rank, world, **_):
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     threads_for(world)
-    cfg = _cfg("tp", tp=world)
+    cfg = _cfg(Strategy.TP, tp=world)
     data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
     mesh = init_device_mesh("cpu", (world,))
     styles = {k: ColwiseParallel() if v == "col" else RowwiseParallel() for k, v in LLAMA_TP.items()}

@@ -12,6 +12,7 @@ import statistics
 
 import torch
 
+from shardwise.config.names import Axis, Strategy
 from shardwise.bench.harness import Row, gpt_bench_config, threads_for, timed_steps
 from shardwise.bench.peers import ours_tokens_per_s
 from shardwise.data import build_data
@@ -33,12 +34,13 @@ def _cfg(strategy: str, seq: int | None = None, **parallel):
 
 
 def ours_pp(rank, world, schedule):
-    return ours_tokens_per_s(_cfg("pp", pp=world, schedule=schedule, num_microbatches=MICRO), world)
+    return ours_tokens_per_s(_cfg(Strategy.PP, pp=world, schedule=schedule,
+                                  num_microbatches=MICRO), world)
 
 
 def ours_pp_multi(rank, world, schedule, v, pp_transport="auto"):
     extra = {"virtual_stages": v} if v > 1 else {}
-    return ours_tokens_per_s(_cfg("pp", pp=world, schedule=schedule, num_microbatches=MICRO,
+    return ours_tokens_per_s(_cfg(Strategy.PP, pp=world, schedule=schedule, num_microbatches=MICRO,
                                   pp_transport=pp_transport, **extra), world)
 
 
@@ -56,7 +58,7 @@ def torch_pipelining_multi(rank, world, schedule, v):
                                               ScheduleInterleavedZeroBubble)
     from shardwise.parallel.pipeline.stage import PipelineStage as Cut, stage_bounds
     threads_for(world)
-    cfg = _cfg("pp", pp=world)
+    cfg = _cfg(Strategy.PP, pp=world)
     data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
     n = world * v
     bounds = stage_bounds(model, n)
@@ -90,7 +92,7 @@ def _timed_pipeline(pipe, opt, data, cfg, rank: int) -> dict:
 
 
 def ours_tp(rank, world, seq=None, **_):
-    return ours_tokens_per_s(_cfg("tp", seq, tp=world), world)
+    return ours_tokens_per_s(_cfg(Strategy.TP, seq, tp=world), world)
 
 
 def torch_pipelining(rank, world, schedule):
@@ -98,7 +100,7 @@ def torch_pipelining(rank, world, schedule):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from shardwise.parallel.pipeline.stage import PipelineStage as Cut, stage_bounds
     threads_for(world)
-    cfg = _cfg("pp", pp=world)
+    cfg = _cfg(Strategy.PP, pp=world)
     data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
     part = Cut(model, stage_bounds(model, world), rank)
     stage = PipelineStage(part, rank, world, torch.device("cpu"))
@@ -124,7 +126,7 @@ def dtensor_tp(rank, world, **_):
     """torch's DTensor tensor parallel: ColwiseParallel qkv / fc, RowwiseParallel proj."""
     from torch.distributed.device_mesh import init_device_mesh
     threads_for(world)
-    cfg = _cfg("tp", tp=world)
+    cfg = _cfg(Strategy.TP, tp=world)
     data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
     mesh = init_device_mesh("cpu", (world,))
     for block in model.blocks:
@@ -143,7 +145,7 @@ def dtensor_tp(rank, world, **_):
 
 
 def ours_tp_sp(rank, world, seq=None, **_):
-    return ours_tokens_per_s(_cfg("tp", seq, tp=world, sequence_parallel=True), world)
+    return ours_tokens_per_s(_cfg(Strategy.TP, seq, tp=world, sequence_parallel=True), world)
 
 
 def dtensor_tp_sp(rank, world, seq=None, **_):
@@ -158,7 +160,7 @@ def dtensor_tp_sp(rank, world, seq=None, **_):
                                                    RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
     threads_for(world)
-    cfg = _cfg("tp", seq, tp=world)
+    cfg = _cfg(Strategy.TP, seq, tp=world)
     data, model = build_data(cfg), build_model(cfg.model, cfg.train.seed)
     mesh = init_device_mesh("cpu", (world,))
     c = cfg.model.n_embd
@@ -208,9 +210,10 @@ def bubble_table(rank, world):
                 if p * v > 4 or (v > 1 and m % p):   # 4 blocks; interleaving needs m = k·p
                     continue
                 extra = {"virtual_stages": v} if v > 1 else {}
-                cfg = gpt_bench_config("3d", parallel={"pp": p, "dp": world // p, "schedule": schedule,
-                                                       "num_microbatches": m, **extra},
-                                       train={"batch_size": 16}, logging={"schedule_png": "off"})
+                par = {Axis.PP: p, Axis.DP: world // p, "schedule": schedule,
+                       "num_microbatches": m, **extra}
+                cfg = gpt_bench_config(Strategy.THREE_D, parallel=par, train={"batch_size": 16},
+                                       logging={"schedule_png": "off"})
                 rt = init_runtime(cfg)
                 engine = prepare(build_model(cfg.model, 0), optimizer_factory(cfg), cfg,
                                  loss_fn=loss_for(cfg.model), runtime=rt)

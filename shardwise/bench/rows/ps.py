@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from shardwise.config.names import Strategy
 from shardwise.bench.harness import Row, gpt_bench_config, threads_for
 from shardwise.bench.peers import same_optimizer
 
@@ -30,7 +31,7 @@ def ps_run(rank, world, steps=STEPS, **parallel):
     from shardwise.run.runtime import init_runtime
     from shardwise.run.train import train
     threads_for(world)
-    cfg = _cfg("ps", steps, **parallel)
+    cfg = _cfg(Strategy.PS, steps, **parallel)
     rt = init_runtime(cfg)
     s = train(cfg, rt, quiet=True)
     stats = s["engine"].strategy.stats()
@@ -55,7 +56,7 @@ def allreduce_dp(rank, world, steps=STEPS, **parallel):
     from shardwise.mesh import Mesh
     from shardwise.models import build_model, loss_for
     threads_for(world)
-    cfg = _cfg("ddp", steps)
+    cfg = _cfg(Strategy.DDP, steps)
     mesh, comm = Mesh.build(1, world, 1), Comm()
     model, data = build_model(cfg.model, cfg.train.seed), build_data(cfg)
     loss_fn, opt = loss_for(cfg.model), same_optimizer(cfg, model.parameters())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.config.names import Strategy
 from shardwise.bench.harness import (Row, gpt_bench_config, parameters, sized_config,
                                      threads_for, timed_steps)
 from shardwise.bench.peers import ours_sized, ours_tokens_per_s, plain_loop_tokens_per_s
@@ -32,19 +33,19 @@ def _ours(strategy: str, world: int, overrides: dict, steps: int = STEPS, **para
 
 
 def zero1(rank, world, **parallel):
-    return _ours("zero1", world, {}, **parallel)
+    return _ours(Strategy.ZERO1, world, {}, **parallel)
 
 
 def zero2(rank, world, **parallel):
-    return _ours("zero2", world, {}, **parallel)
+    return _ours(Strategy.ZERO2, world, {}, **parallel)
 
 
 def zero3(rank, world, **parallel):
-    return _ours("zero3", world, {}, **parallel)
+    return _ours(Strategy.ZERO3, world, {}, **parallel)
 
 
 def zero3_big(rank, world, offload="none", **parallel):
-    return _ours("zero3", world, {**BIG, "memory": {"offload": offload}}, **parallel)
+    return _ours(Strategy.ZERO3, world, {**BIG, "memory": {"offload": offload}}, **parallel)
 
 
 def zero3_big_no_offload(rank, world, **parallel):
@@ -52,11 +53,11 @@ def zero3_big_no_offload(rank, world, **parallel):
 
 
 def zero3_sized(rank, world, size="3m", steps=STEPS, **parallel):
-    return ours_sized("zero3", size, steps, world, **parallel)
+    return ours_sized(Strategy.ZERO3, size, steps, world, **parallel)
 
 
 def fsdp2_sized(rank, world, size="3m", steps=STEPS, **parallel):
-    cfg = sized_config("zero3", size, steps)
+    cfg = sized_config(Strategy.ZERO3, size, steps)
     return {**fsdp2(rank, world, steps=steps, cfg=cfg), "extra": {"parameters": parameters(cfg)}}
 
 
@@ -70,7 +71,7 @@ def fsdp2(rank, world, steps=STEPS, cfg=None, **parallel):
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
-    cfg = cfg or gpt_bench_config("zero3")
+    cfg = cfg or gpt_bench_config(Strategy.ZERO3)
     return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, wrap=wrap, steps=steps - 2)}
 
 
@@ -86,7 +87,7 @@ def fsdp2_hsdp(rank, world, steps=STEPS, dp_shard=2, **parallel):
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
-    cfg = gpt_bench_config("zero3")
+    cfg = gpt_bench_config(Strategy.ZERO3)
     return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, wrap=wrap, steps=steps - 2)}
 
 
@@ -96,7 +97,7 @@ def torch_zero_redundancy(rank, world, steps=STEPS, **parallel):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from shardwise.data import build_data
     from shardwise.models import build_model, lm_loss
-    cfg = gpt_bench_config("zero1")
+    cfg = gpt_bench_config(Strategy.ZERO1)
     threads_for(world)
     data = build_data(cfg)
     model = DDP(build_model(cfg.model, cfg.train.seed))
@@ -125,20 +126,20 @@ def _memory_side(kind: str, rank: int, world: int, **args) -> dict:
 
 
 def zero3_memory(rank, world, **args):
-    return _memory_side("zero3", rank, world, **args)
+    return _memory_side(Strategy.ZERO3, rank, world, **args)
 
 
 def zero3_offload_params_memory(rank, world, offload="disk", **args):
     """ZeRO-3 at 57M with parameters, gradients, masters and Adam states offloaded
     (``--offload disk --offload-params``); ``extra`` adds what the row's goal is about: the
     bytes offloaded (the ledger's ``on_disk``) and the peaks of prepare and of training."""
-    out = _memory_side("zero3", rank, world, memory={"offload": offload,
+    out = _memory_side(Strategy.ZERO3, rank, world, memory={"offload": offload,
                                                      "offload_params": True}, **args)
     return _phases(out)
 
 
 def zero3_memory_phases(rank, world, **args):
-    return _phases(_memory_side("zero3", rank, world, **args))
+    return _phases(_memory_side(Strategy.ZERO3, rank, world, **args))
 
 
 def _phases(out: dict) -> dict:
@@ -149,7 +150,7 @@ def _phases(out: dict) -> dict:
 
 
 def zero2_memory(rank, world, **args):
-    return _memory_side("zero2", rank, world, **args)
+    return _memory_side(Strategy.ZERO2, rank, world, **args)
 
 
 def fsdp2_memory(rank, world, **args):
@@ -169,11 +170,11 @@ ROWS = [
     Row("zero2-vs-fsdp2", zero2, fsdp2, world=2, args={}, quick_args=QUICK, goal=GOAL,
         peer_name=FSDP2),
     Row("zero3-vs-fsdp2", zero3, fsdp2, world=2, args={}, quick_args=QUICK, goal=GOAL,
-        peer_name=FSDP2, series="zero3"),
+        peer_name=FSDP2, series=Strategy.ZERO3),
     # world scaling (series "zero3", with the rows at 2 and 4) and the scaling family by model
     # size (series "size:zero3": the report's sizes chart)
     Row("zero3-vs-fsdp2-w1", zero3, fsdp2, world=1, args={}, goal=GOAL, peer_name=FSDP2,
-        series="zero3"),
+        series=Strategy.ZERO3),
     *[Row(f"zero3-vs-fsdp2-size-{size}", zero3_sized, fsdp2_sized, world=2,
           args={"size": size, "steps": steps}, series="size:zero3",
           goal="ratio >= 1.0; tokens/s and peak RSS against model size", peer_name=FSDP2)
@@ -181,7 +182,7 @@ ROWS = [
     Row("zero3-ring-vs-fsdp2", zero3, fsdp2, world=2, args={"allreduce": "ring"}, goal=GOAL,
         peer_name=FSDP2),
     Row("zero3-vs-fsdp2-w4", zero3, fsdp2, world=4, args={}, goal=GOAL, peer_name=FSDP2,
-        series="zero3"),
+        series=Strategy.ZERO3),
     Row("hsdp-vs-fsdp2-hsdp", zero3, fsdp2_hsdp, world=4, args={"dp_shard": 2}, goal=GOAL,
         peer_name="torch FSDP2 on a 2-D DeviceMesh (replicate 2 x shard 2)"),
     # memory at 57M parameters (the whole six-way table: python -m shardwise.bench.memory)
