@@ -250,6 +250,10 @@ class ParameterServerStrategy(Strategy):
         self.comm.all_reduce(flag, self.mesh.world, op="max", name="metrics")
         return float(sums[0] / sums[2]), (float(sums[1] / sums[2]) if float(flag) else None)
 
+    def full_state_order(self) -> None:
+        """None: the whole model comes from the ps tasks at once (:meth:`full_state_dict`)."""
+        return None
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model from the ps tasks, on every rank (a collective: all ranks call it)."""
         self.gather_params()

@@ -21,6 +21,29 @@ class StrategyState:
         pieces gathered: a collective over tp)."""
         return self._whole({k: v.detach().cpu().clone() for k, v in self.model.named_parameters()})
 
+    def full_state_order(self) -> list[tuple[str, tuple[int, ...]]] | None:
+        """(name, whole shape) of every parameter, in the order :meth:`full_state_groups`
+        yields them (``named_parameters``'): the streamed final.safetensors
+        (shardwise/run/train._save_final) writes in this order."""
+        return [(n, self._whole_shape(n, p)) for n, p in self.model.named_parameters()]
+
+    def full_state_groups(self):
+        """:meth:`full_state_dict` one parameter at a time, fp32 on the CPU (a collective under
+        tensor parallelism: every rank iterates it to the end, in the same order, and gathers
+        each split parameter from the tp group). Memory: one whole parameter at a time, never
+        a second copy of the model (a tp rank never holds the whole model)."""
+        for n, p in self.model.named_parameters():
+            yield {k: v.float() for k, v in self._whole({n: p.detach().cpu().clone()}).items()}
+
+    def _whole_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...]:
+        """The shape of parameter ``name`` in the whole model (its tp piece's, with the split
+        dimension at its full size)."""
+        shape = list(p.shape)
+        spec = None if self.plan is None else self.plan.specs.get(name)
+        if spec is not None:
+            shape[spec.dim] = spec.full * spec.parts
+        return tuple(shape)
+
     def _whole(self, state: dict) -> dict:
         """Gather the tensor-parallel pieces of a by-name state (identity without tp)."""
         return state if self.plan is None else self.plan.gather(state, self.device)
