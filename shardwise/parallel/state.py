@@ -25,7 +25,7 @@ class StrategyState:
         """(name, whole shape) of every parameter, in the order :meth:`full_state_groups`
         yields them (``named_parameters``'): the streamed final.safetensors
         (shardwise/run/train._save_final) writes in this order."""
-        return [(n, self._whole_shape(n, p)) for n, p in self.model.named_parameters()]
+        return [(n, self.whole_shape(n, p)) for n, p in self.model.named_parameters()]
 
     def full_state_groups(self):
         """:meth:`full_state_dict` one parameter at a time, fp32 on the CPU (a collective under
@@ -35,7 +35,7 @@ class StrategyState:
         for n, p in self.model.named_parameters():
             yield {k: v.float() for k, v in self._whole({n: p.detach().cpu().clone()}).items()}
 
-    def _whole_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...]:
+    def whole_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...]:
         """The shape of parameter ``name`` in the whole model (its tp piece's, with the split
         dimension at its full size)."""
         shape = list(p.shape)

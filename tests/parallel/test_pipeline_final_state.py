@@ -1,4 +1,4 @@
-"""final.safetensors under a pipeline is streamed stage by stage (PipelineDriver.full_state_order /
+"""final.safetensors under a pipeline (tensor parallel inside or not) is streamed stage by stage (PipelineDriver.full_state_order /
 full_state_groups, read by shardwise/run/train._save_final): global rank 0 receives each stage's
 parameters in turn, every other rank yields nothing, and what rank 0 writes is exactly the model
 ``engine.full_state_dict()`` gathers (every name once: GPT-2's lm_head, tied to wte across the
@@ -41,7 +41,8 @@ def _streamed(rank, n, runs):
 
 
 RUNS = [("gpt-pp2-dp2-zero2", "gpt", {"pp": 2, "dp": 2, "zero_stage": 2}),
-        ("gpt2-pp2-dp2", "gpt2", {"pp": 2, "dp": 2})]
+        ("gpt2-pp2-dp2", "gpt2", {"pp": 2, "dp": 2}),
+        ("gpt-pp2-tp2", "gpt", {"pp": 2, "tp": 2})]
 
 
 @pytest.fixture(scope="module")

@@ -241,10 +241,8 @@ class PipelineDriver(Strategy):
     def full_state_order(self) -> list[tuple[str, tuple[int, ...]]] | None:
         """(name, shape) of every parameter, stage after stage, for the streamed
         final.safetensors (shardwise/run/train._save_final): names and shapes travel as objects
-        over pp, no tensor data. None under tensor parallelism (its pieces are gathered whole,
-        as the component's own order says)."""
-        if self.mesh.tp > 1:
-            return None
+        over pp, no tensor data; under tensor parallelism each shape is the whole one, and
+        the component gathers a stage's pieces)."""
         return [item for part in self._stage_shapes() for item in part]
 
     def full_state_groups(self):
@@ -284,7 +282,7 @@ class PipelineDriver(Strategy):
         its first stage (read off the parameters, which keep their whole shape under every
         data-parallel stage: an object all-gather over pp, no tensor data)."""
         name = self.model.global_name
-        own = [(name(n), tuple(p.shape)) for n, p in self.model.named_parameters()]
+        own = [(name(n), self.grads.whole_shape(n, p)) for n, p in self.model.named_parameters()]
         return _first_owners(self.comm.all_gather_object(own, self.mesh.pp_group))
 
     def _stage_state(self) -> dict[str, torch.Tensor]:
