@@ -4,6 +4,7 @@
     dcp_io.py     the one door to torch.distributed.checkpoint (explicit group)
     state.py      what a checkpoint holds; save; plan_resume / restore_model / restore
     canonical.py  the layout-free form (model and optimizer state by parameter name)
+    pieces.py     that form written a box per rank (ZeRO with disk offload: nothing gathered)
     checks.py     refusals before launch (one line, exit 2)
     stop.py       SIGINT / SIGTERM with checkpointing on: save at the step boundary, then stop
     tools.py      ``shardwise checkpoint inspect | export``

@@ -8,7 +8,9 @@
 Saving gathers per parameter (``strategy.full_state_dict()`` and
 ``strategy.canonical_optimizer_state()``): every rank ends up holding the whole model and the
 whole optimizer state on CPU for the save (about 3x the fp32 parameter bytes for Adam, on each
-rank, freed after the save), and DCP writes each key once (the ranks' values are equal).
+rank, freed after the save), and DCP writes each key once (the ranks' values are equal). ZeRO
+with disk offload writes the same keys without gathering: each rank its own boxes of them
+(pieces.py).
 Loading (another layout): every rank reads the model tensors into the plain model before
 ``prepare`` (every layout starts from global rank 0's weights and shards them itself), then
 the optimizer tensors, and ``strategy.load_canonical_optimizer_state`` keeps this rank's piece.

@@ -37,16 +37,129 @@ def _writer(folder: str):
     return FileSystemWriter(folder, per_thread_copy_ahead=0)
 
 
-def save(state: dict, folder: str, group: Group) -> None:
-    """Write ``state`` (a flat dict of tensors and objects) into ``folder`` from every rank."""
+def save(state: dict, folder: str, group: Group, pieces=None, release=None) -> None:
+    """Write ``state`` (a flat dict of tensors and objects) into ``folder`` from every rank;
+    ``pieces`` (checkpoint/pieces.py): besides, this rank's boxes of layout-free tensors,
+    written straight from the (memory-mapped) store tensors they view, each store tensor's
+    pages dropped with ``release([owner], False)`` once the writer has moved past it (disk
+    offload)."""
     import torch.distributed.checkpoint as dcp
-    if group.pg is None:
-        with warnings.catch_warnings():     # "assuming ... a single process": it is one
+    planner = _piece_saver(pieces, release) if pieces else None
+    try:
+        if group.pg is None:
+            with warnings.catch_warnings():     # "assuming ... a single process": it is one
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.save(state, checkpoint_id=folder, storage_writer=_writer(folder),
+                         planner=planner, no_dist=True)
+        else:
+            dcp.save(state, checkpoint_id=folder, storage_writer=_writer(folder),
+                     planner=planner, process_group=group.pg)
+    finally:
+        if planner is not None:
+            planner.done()
+
+
+def load_pieces(pieces, folder: str, group: Group | None, release=None) -> None:
+    """Read the stored values of ``pieces`` (each a box of a layout-free tensor, whichever
+    ranks wrote it) into their tensors in place, then ``release([owner], True)`` each owner's
+    pages (written back to its file). Collective over ``group`` like :func:`load`."""
+    import torch.distributed.checkpoint as dcp
+    planner = _piece_loader(pieces, release)
+    if group is None or group.pg is None:
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, checkpoint_id=folder, storage_writer=_writer(folder), no_dist=True)
+            dcp.load({}, checkpoint_id=folder, planner=planner, no_dist=True)
     else:
-        dcp.save(state, checkpoint_id=folder, storage_writer=_writer(folder),
-                 process_group=group.pg)
+        dcp.load({}, checkpoint_id=folder, planner=planner, process_group=group.pg)
+
+
+def _piece_saver(pieces, release):
+    """DCP's default save planner plus one SHARD write item per piece (its box of the key)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties)
+    from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
+                                                      WriteItemType)
+    by_index = {(p.key, tuple(p.offsets)): p for p in pieces}
+
+    class Planner(DefaultSavePlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            items = [WriteItem(index=MetadataIndex(p.key, p.offsets), type=WriteItemType.SHARD,
+                               tensor_data=TensorWriteData(
+                                   chunk=ChunkStorageMetadata(offsets=torch.Size(p.offsets),
+                                                              sizes=p.data.shape),
+                                   properties=TensorProperties(dtype=p.data.dtype),
+                                   size=torch.Size(p.shape)))
+                     for p in pieces]
+            self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
+            return self.plan
+
+        owner = None                        # the store tensor the last box came from
+
+        def resolve_data(self, write_item):
+            p = by_index.get((write_item.index.fqn, tuple(write_item.index.offset or ()))) \
+                if write_item.type == WriteItemType.SHARD else None
+            if p is None:
+                return super().resolve_data(write_item)
+            if p.owner is not self.owner:   # the writer asks for a box once the last is written
+                self.done()
+                self.owner = p.owner
+            return _exact(p.data)
+
+        def done(self) -> None:
+            """Drop the pages of the store tensor the last box came from."""
+            if release is not None and self.owner is not None:
+                release([self.owner], False)
+            self.owner = None
+    return Planner()
+
+
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) as a tensor whose storage is exactly its own bytes, in the same memory.
+    DCP's writer copies a tensor whose storage is larger (a view of a store tensor) and keeps
+    every tensor it wrote until the save ends (its ``tensor_dict``, for the safetensors
+    format): copies would pile up to this rank's whole share in anonymous memory; views of the
+    mapped files hold only file pages, which the planner drops again."""
+    import ctypes
+    buffer = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return torch.frombuffer(buffer, dtype=t.dtype).view(t.shape)
+
+
+def _piece_loader(pieces, release):
+    """DCP's default load planner (over an empty state dict) reading into the pieces' boxes."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+    by_key: dict[str, list] = {}
+    for p in pieces:
+        by_key.setdefault(p.key, []).append(p)
+
+    class Planner(DefaultLoadPlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            items = []
+            for key, ps in by_key.items():
+                md = self.metadata.state_dict_metadata.get(key)
+                if md is None:
+                    raise KeyError(f"the checkpoint has no tensor {key!r}")
+                items += create_read_items_for_chunk_list(key, md, [
+                    ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.data.shape)
+                    for p in ps])
+            return dataclasses.replace(plan, items=[*plan.items, *items])
+
+        def lookup_tensor(self, index):
+            return by_key[index.fqn][index.index].data   # the local chunk's position
+
+        def commit_tensor(self, read_item, tensor) -> None:
+            p = by_key[read_item.dest_index.fqn][read_item.dest_index.index]
+            if release is not None and p.owner is not None:
+                release([p.owner], True)
+    return Planner()
 
 
 def new_save_group(group: Group):

@@ -12,6 +12,13 @@ One DCP checkpoint (checkpoint/dcp_io.py) per save, with three parts:
 
 plus ``meta.json`` (store.py): step, world size, layout, the layout key, sizes, config.
 
+ZeRO with disk offload (``strategy.checkpoint_parts()``: the state may be larger than RAM)
+gathers nothing: each rank writes its own boxes of ``model/...`` and ``optim/...``
+(checkpoint/pieces.py; the same keys, read whole by every reader) and a ``rank<r>/state``
+without the masters and element-wise optimizer states, which an exact resume reads back from
+its boxes. Such a save is always written at once (never in the background: that would copy
+the state into memory).
+
 The data position and the learning-rate schedule are functions of the step (train.py's
 ``data.batch(step, ...)`` and ``lr_at(step, cfg)``), so the step is all they need.
 
@@ -25,6 +32,7 @@ neither is refused before launch (checks.py).
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import threading
@@ -33,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shardwise.checkpoint import canonical, dcp_io, store
+from shardwise.checkpoint import canonical, dcp_io, pieces, store
 from shardwise.config import Config, to_dict
 from shardwise.parallel.layout import describe, resolve
 from shardwise.parallel.presets import DATA_MODEL, resolve_dp
@@ -42,7 +50,7 @@ from shardwise.parallel.presets import DATA_MODEL, resolve_dp
 # change them and still load the ranks' own states
 _FREE = {"nproc_per_node", "overlap", "allreduce", "grad_compression", "find_unused",
          "num_microbatches", "schedule", "ps_timeout", "on_worker_failure", "straggler",
-         "grad_accum", "activation_checkpointing", "memory_report", "offload_dir"}
+         "grad_accum", "activation_checkpointing", "compile", "memory_report", "offload_dir"}
 
 
 def layout_key(cfg: Config, world_size: int) -> dict:
@@ -108,24 +116,34 @@ def save(engine, cfg: Config, step: int) -> str:
     if rt.is_main:
         store.begin(root, step)
     rt.comm.barrier(world)                         # the folder exists before anyone writes
-    state, tensors, reshard = _state(strategy, cfg, rt)
+    parts = _parts(strategy)
+    if parts is None:
+        state, tensors, reshard = _state(strategy, cfg, rt)
+        boxes = None
+    else:
+        state, boxes = _streamed_state(strategy, parts, rt)
+        tensors, reshard = None, True
     tmp = store.partial_path(root, step)
     publish = None
     if rt.is_main:
         def publish() -> str:
+            count = sum(t.numel() for t in tensors.values()) if tensors is not None else \
+                sum(math.prod(v[0]) for k, v in dcp_io.stored(tmp).items()
+                    if v is not None and k.startswith(canonical.MODEL))
             meta = {"step": step, "world_size": rt.world_size,
                     "layout": describe(resolve(cfg)), "strategy": cfg.parallel.strategy,
                     "layout_key": layout_key(cfg, rt.world_size), "reshardable": reshard,
-                    "parameters": sum(t.numel() for t in tensors.values()),
+                    "parameters": count,
                     "bytes": store.folder_bytes(tmp), "config": to_dict(cfg),
                     "files": store.checksums(tmp)}
             return store.publish(root, step, meta, cfg.train.keep_checkpoints)
-    if cfg.train.checkpoint_async and step < cfg.train.steps:
+    if cfg.train.checkpoint_async and step < cfg.train.steps and boxes is None:
         if pending is None:                        # once per run: a collective over the world
             pending = engine.checkpoint_async = AsyncSave(dcp_io.new_save_group(world))
         pending.start(state, tmp, publish)
         return os.path.join(root, store.step_name(step))
-    dcp_io.save(state, tmp, world)                 # returns when every rank's file is written
+    # returns when every rank's file is written
+    dcp_io.save(state, tmp, world, boxes, parts["release"] if parts else None)
     folder = publish() if publish else os.path.join(root, store.step_name(step))
     rt.comm.barrier(world)                         # published before any rank goes on
     return folder
@@ -146,6 +164,26 @@ def _state(strategy, cfg: Config, rt) -> tuple[dict, dict, bool]:
     if rt.is_main:                                 # one rank's value per key (DCP dedups)
         state["common/rng"] = dcp_io.as_bytes(rng_state(rt.device))
     return state, tensors, reshard
+
+
+def _parts(strategy) -> dict | None:
+    """The strategy's pieces to write without gathering (disk offload: pieces.py), or None."""
+    parts = getattr(strategy, "checkpoint_parts", None)
+    return parts() if parts is not None else None
+
+
+def _streamed_state(strategy, parts: dict, rt) -> tuple[dict, list]:
+    """:func:`_state` for a layout that writes its own pieces (pieces.py): this rank's state
+    without the masters and element-wise optimizer states, the whole tensors (frozen
+    parameters, buffers, scalar states), and the pieces of the layout-free tensors."""
+    pieces_, whole = pieces.of_parts(parts)
+    state = {f"rank{rt.rank}/state": dcp_io.as_bytes({
+        "strategy": parts["state"], "scaler": strategy.scaler.state_dict(),
+        "rng": rng_state(rt.device), "streamed": True}), **whole}
+    state["common/scaler"] = dcp_io.as_bytes(strategy.scaler.state_dict())
+    if rt.is_main:
+        state["common/rng"] = dcp_io.as_bytes(rng_state(rt.device))
+    return state, pieces_
 
 
 class AsyncSave:
@@ -234,7 +272,13 @@ def restore(engine, plan: ResumePlan | None) -> int:
     rt, strategy = engine.runtime, engine.strategy
     if plan.exact:
         own = dcp_io.read_object(plan.folder, f"rank{rt.rank}/state", rt.mesh.world)
-        strategy.load_state_dict(own["strategy"])
+        if own.get("streamed"):                    # the masters and states: this rank's pieces
+            def read(parts: dict) -> None:
+                dcp_io.load_pieces(pieces.of_parts(parts)[0], plan.folder, rt.mesh.world,
+                                   parts["release"])
+            strategy.load_state_dict(own["strategy"], read)
+        else:
+            strategy.load_state_dict(own["strategy"])
         strategy.scaler.load_state_dict(own["scaler"])
         set_rng_state(own["rng"], rt.device)
         return plan.step

@@ -205,6 +205,10 @@ def _positive(cfg: Config) -> None:
         raise ConfigError("model.dropout", cfg.model.dropout, "must be in [0, 1)", "try 0.0")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError("data.val_fraction", cfg.data.val_fraction, "must be in (0, 1)", "try 0.05")
+    if cfg.train.checkpoint_async and cfg.memory.offload == "disk":
+        raise ConfigError("train.checkpoint_async", True, "with --offload disk each rank writes "
+                          "its checkpoint straight from its offload files; a background save "
+                          "would first copy that state into memory", "drop --checkpoint-async")
 
 
 def _model(cfg: Config) -> None:

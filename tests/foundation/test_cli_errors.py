@@ -21,6 +21,8 @@ BAD = [
     (["--dataset", "mnist", "--model", "lenet"], "data.data_dir = ''", "--data-dir"),
     (["--batch-size", "7", "--nproc-per-node", "2"], "train.batch_size = 7", "multiple of dp"),
     (["--lr", "0"], "train.lr = 0.0", "must be positive"),
+    (["--strategy", "zero2", "--offload", "disk", "--checkpoint-async", "--checkpoint-dir",
+      "/tmp/shardwise-never-written"], "train.checkpoint_async = True", "drop --checkpoint-async"),
     (["--optimizer", "adamw8bit", "--optimizer-kernel", "loop"], "train.optimizer_kernel = 'loop'",
      "use --optimizer adamw"),
     (["--optimizer-kernel", "triton"], "train.optimizer_kernel = 'triton'", "choose one of"),

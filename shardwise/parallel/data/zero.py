@@ -691,8 +691,11 @@ class ZeroStrategy(Strategy):
     def state_dict(self) -> dict:
         return zero_state.state_dict(self)
 
-    def load_state_dict(self, state: dict) -> None:
-        zero_state.load_state_dict(self, state)
+    def load_state_dict(self, state: dict, read_parts=None) -> None:
+        zero_state.load_state_dict(self, state, read_parts)
+
+    def checkpoint_parts(self) -> dict | None:
+        return zero_state.checkpoint_parts(self)
 
     def canonical_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         return zero_state.canonical_optimizer_state(self)

@@ -60,6 +60,7 @@ def full_state_groups(zero):
         full = torch.empty(c.layout.padded, dtype=torch.float32, device=zero.device)
         zero._all_gather(full, c.master.detach().to(zero.device), async_op=False,
                          name="zero_state_ag")
+        zero.store.release([c.master], written=False)   # disk: its pages read, dropped again
         yield {names[p]: view.detach().cpu().clone()
                for p, view in zip(c.params, c.layout.views(full))}
         del full
@@ -68,28 +69,95 @@ def full_state_groups(zero):
            if n not in done}
 
 
-def state_dict(zero) -> dict:
+def state_dict(zero, streamed: bool = False) -> dict:
     """This rank's shards: masters and the optimizer (a per-rank file), plus the buffers and
-    frozen parameters every rank holds alike."""
+    frozen parameters every rank holds alike. ``streamed`` (:func:`checkpoint_parts`): without
+    the masters and the optimizer's element-wise states, which the checkpoint writes as this
+    rank's pieces of the layout-free tensors instead (the scalars, such as Adam's step, and the
+    parameter groups stay)."""
     zero.store.drain()
+    optimizer, streamed_keys = zero.optimizer.state_dict(), None
+    if streamed:                # {index in the optimizer's order: the element-wise states}
+        streamed_keys = {i: sorted(k for k, v in st.items() if torch.is_tensor(v) and v.dim())
+                         for i, st in optimizer["state"].items()}
+        optimizer["state"] = {i: {k: v for k, v in st.items() if k not in streamed_keys[i]}
+                              for i, st in optimizer["state"].items()}
     return {"stage": zero.stage, "rank": zero.group.rank, "world": zero.group.size,
-            "masters": [c.master.detach().cpu().clone() for c in zero.chunks],
-            "optimizer": zero.optimizer.state_dict(), "scale": zero.scaler.state_dict(),
+            "masters": None if streamed else [c.master.detach().cpu().clone()
+                                              for c in zero.chunks],
+            "streamed": streamed_keys, "optimizer": optimizer, "scale": zero.scaler.state_dict(),
             "buffers": {n: b.detach().cpu().clone() for n, b in zero.model.named_buffers()},
             "frozen": {n: p.detach().cpu().clone() for n, p in zero.model.named_parameters()
                        if not p.requires_grad}}
 
 
+def checkpoint_parts(zero) -> dict | None:
+    """Disk offload (``memory.offload disk``, no tensor parallelism): what a checkpoint writes
+    without gathering anything, so that saving needs no more memory than one piece of one
+    parameter (the state may be larger than RAM). None for every other ZeRO layout (they save
+    the gathered forms: :func:`full_state_dict`, :func:`canonical_optimizer_state`).
+
+    {"model": [(name, shape, lo, hi, values, owner)], "optim": [(name, key, shape, lo, hi,
+    values, owner)], "model_whole": {name: tensor}, "optim_whole": {name: {key: tensor}},
+    "state": state_dict(streamed=True), "release": store.release}: ``values`` are this
+    rank's elements [lo, hi) of the flattened parameter ``name`` (``shape``), a view of
+    ``owner``, the store tensor they live in (its pages are dropped once they were read or
+    written: ``release([owner], written)``); the fp32 masters for the model, each element-wise
+    optimizer state (Adam's exp_avg, exp_avg_sq) for the optimizer. The scalar states (Adam's
+    step), the frozen parameters and the buffers are whole. The same function gives the
+    tensors an exact resume reads the pieces into (:func:`load_state_dict`). No collective."""
+    if zero.store.place != "disk" or getattr(zero, "plan", None) is not None:
+        return None
+    zero.store.drain()
+    names = {p: n for n, p in zero.model.named_parameters()}
+    model, optim, optim_whole = [], [], {}
+    for c in zero.chunks:
+        start, _ = c.layout.shard_range(zero.group.rank)
+        for _, lo, hi, view in c.masters:
+            state = zero.optimizer.state.get(view, {})
+            for p, offset, shape in zip(c.params, c.layout.offsets, c.layout.shapes):
+                a, b = max(start + lo, offset), min(start + hi, offset + shape.numel())
+                if a >= b:
+                    continue
+                name = names[p]
+                model.append((name, shape, a - offset, b - offset,
+                              c.master[a - start:b - start], c.master))
+                for key, v in sorted(state.items()):
+                    if not torch.is_tensor(v):
+                        continue
+                    if v.dim() == 0:
+                        optim_whole.setdefault(name, {})[key] = v.detach().cpu().clone()
+                    else:
+                        v = v.detach()
+                        optim.append((name, key, shape, a - offset, b - offset,
+                                      v[a - start - lo:b - start - lo], v))
+    whole = {n: p.detach().float().cpu().clone() for n, p in zero.model.named_parameters()
+             if not p.requires_grad}
+    whole.update({n: b.detach().cpu().clone() for n, b in zero.model.named_buffers()})
+    return {"model": model, "optim": optim, "model_whole": whole, "optim_whole": optim_whole,
+            "state": state_dict(zero, streamed=True), "release": zero.store.release}
+
+
 @torch.no_grad()
-def load_state_dict(zero, state: dict) -> None:
+def load_state_dict(zero, state: dict, read_parts=None) -> None:
+    """This rank's own state (:func:`state_dict`). A streamed one (its masters None) comes with
+    ``read_parts``, which reads :func:`checkpoint_parts`' pieces of the checkpoint into the
+    store's tensors in place (shardwise/checkpoint/state.py); the optimizer's element-wise
+    states are the store's own tensors again afterwards."""
     if (state["stage"], state["world"]) != (zero.stage, zero.group.size):
         raise ValueError(f"checkpoint of ZeRO-{state['stage']} at dp={state['world']} cannot "
                          f"load into ZeRO-{zero.stage} at dp={zero.group.size}; fix: load "
                          "the gathered full_state_dict instead")
-    for c, m in zip(zero.chunks, state["masters"]):
-        c.master.copy_(m)
-        c.shard.copy_(c.master)
-    zero.optimizer.load_state_dict(state["optimizer"])
+    if state["masters"] is None:
+        if read_parts is None:
+            raise ValueError("a streamed ZeRO checkpoint (disk offload) loads through its "
+                             "pieces; fix: resume with shardwise.checkpoint.restore")
+        _load_streamed(zero, state, read_parts)
+    else:
+        for c, m in zip(zero.chunks, state["masters"]):
+            c.master.copy_(m)
+            c.shard.copy_(c.master)
+        zero.optimizer.load_state_dict(state["optimizer"])
     for i, c in enumerate(zero.chunks):
         for _, _, _, view in c.masters:
             zero.store.adopt_state(zero.optimizer.state.get(view, {}))
@@ -103,6 +171,25 @@ def load_state_dict(zero, state: dict) -> None:
     params = dict(zero.model.named_parameters())
     for n, p in state.get("frozen", {}).items():
         params[n].copy_(p)
+
+
+def _load_streamed(zero, state: dict, read_parts) -> None:
+    """The optimizer's scalars and groups from ``state``, its element-wise states kept in (or,
+    where missing, made in) the store, then the masters and those states read in place."""
+    views = [p for g in zero.optimizer.param_groups for p in g["params"]]   # state_dict's order
+    kept = {view: {k: v for k, v in zero.optimizer.state.get(view, {}).items()
+                   if torch.is_tensor(v) and v.dim() > 0} for view in views}
+    zero.optimizer.load_state_dict(state["optimizer"])
+    for i, view in enumerate(views):
+        st = zero.optimizer.state[view]
+        for key in state["streamed"].get(i, ()):
+            t = kept[view].get(key)
+            st[key] = t if t is not None and zero.store.owns(t) else zero.store.zeros_like(view)
+    read_parts(checkpoint_parts(zero))
+    for c in zero.chunks:
+        if c.master.data_ptr() != c.shard.data_ptr():
+            c.shard.copy_(c.master)
+            zero.store.release([c.shard])
 
 
 # -- the layout-free optimizer state (shardwise/checkpoint/: reshard) ------------------------
