@@ -164,6 +164,10 @@ class MemoryConfig:
                               "gathered into a unit's full parameters only while it computes; "
                               "disk reads are prefetched and writes run in the background")
     activation_checkpointing: bool = _f(False, "recompute each block's activations in backward")
+    compile: bool = _f(False, "torch.compile the forward of each of this rank's transformer "
+                       "blocks (TorchInductor; module hooks, checkpointing and the gradient "
+                       "sync stay as they are); the first step pays the compilation, reported "
+                       "apart as compile_seconds")
     freeze: str = _f("", "freeze parameters: fnmatch globs over model.named_modules() names, "
                      "comma-separated (e.g. 'blocks.0.*,tok_emb'); frozen ones get no gradient, "
                      "no optimizer state, no traffic")

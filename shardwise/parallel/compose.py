@@ -44,6 +44,14 @@ below follows it step by step):
  3. pipeline split   pp > 1: this rank keeps its stage, or its v chunks when interleaved
                      (parallel/pipeline/driver.cut)
  4. activation checkpointing   each of this rank's blocks recomputed in backward (memory/)
+ 4b. compile         ``--compile``: the forward of each of this rank's blocks
+                     ``torch.compile``d in place (memory/compile.py); after 4, so that the
+                     compiled graph holds the checkpoint (Dynamo traces it as one op and the
+                     partitioner plans the recompute, rather than a compiled function being
+                     re-run from autograd's backward), and before 6, which hooks the same
+                     parameters and blocks as without it (nothing is swapped; module hooks,
+                     ZeRO-3's gathers among them, stay eager around the compiled forward); the
+                     loss, the optimizer and the gradient sync's collectives stay eager
  5. mixed precision  the run's precision reaches every later step through the config: the
                      component's autocast (stage 0, and the pipeline's executor), or bf16 /
                      fp16 working copies with fp32 masters (stages 1-3); fp16 adds the
@@ -64,7 +72,7 @@ The strategy names ``ddp``, ``zero1``-``zero3``, ``tp``, ``pp`` and ``3d`` are p
 (zero stage, tp, pp) (shardwise/parallel/presets.py), so they all come through steps 1-8. ``single``,
 ``dp`` (one process's replicas, torch.nn.DataParallel's scheme) and ``ps`` (parameter server)
 stay layouts of their own: they run on no mesh axis (single, dp) or on roles instead of one
-(ps: servers and workers), take steps 0 and 4 only, and are built by the registry.
+(ps: servers and workers), take steps 0, 4 and 4b only, and are built by the registry.
 """
 from __future__ import annotations
 
@@ -74,6 +82,7 @@ import torch.nn as nn
 from shardwise.comm.collectives import Comm
 from shardwise.config import Config
 from shardwise.memory.checkpointing import apply_activation_checkpointing
+from shardwise.memory.compile import compile_blocks
 from shardwise.memory.freeze import freeze
 from shardwise.memory.lora import inject_lora
 from shardwise.mesh import Mesh
@@ -109,6 +118,8 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
             mat.fill_module(model)
         if m.activation_checkpointing:                                    # 4
             apply_activation_checkpointing(model, blocks)
+        if m.compile:                                                     # 4b
+            compile_blocks(blocks)
         strategy = strategy_class(p.strategy)(cfg, mesh, comm, device, loss_fn)
         strategy.wrap(model, optimizer_factory)
         return strategy
@@ -138,10 +149,12 @@ def parallelize(model: nn.Module, optimizer_factory: OptimizerFactory, cfg: Conf
         units = block_class_names(model)   # ZeRO-3's unit class, read off the whole model
         cut = driver.cut(model, cfg, mesh)
         model = cut.stage
+    kept = {id(b) for b in model.modules()}          # this rank's blocks: its stage's
+    mine = None if blocks is None else [b for b in blocks if id(b) in kept]
     if m.activation_checkpointing:                                        # 4
-        mine = {id(b) for b in model.modules()}
-        apply_activation_checkpointing(model, None if blocks is None else
-                                       [b for b in blocks if id(b) in mine])
+        apply_activation_checkpointing(model, mine)
+    if m.compile:                                                         # 4b
+        compile_blocks(mine)
     # 5: the precision is read from cfg.memory by the component and the executor
     grads = stage_class(zero_stage(cfg))(cfg, mesh, comm, device, loss_fn)   # 6
     grads.plan = _tensor_plan(model, specs, cut, comm, mesh)

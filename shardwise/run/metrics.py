@@ -54,6 +54,8 @@ def print_summary(summary: dict, console=None) -> None:
     unit = summary["throughput_unit"]
     rows += [(f"{unit}/s (median step)", f"{summary['throughput']:,.0f}"),
              ("wall time", f"{summary['wall_seconds']:.1f} s")]
+    if summary.get("compile_seconds") is not None:
+        rows.append(("compile (first step minus median step)", f"{summary['compile_seconds']:.1f} s"))
     if summary.get("mfu") is not None:
         rows.append(("model FLOP utilisation", f"{100 * summary['mfu']:.1f}%"))
     for r, (mem, sent) in enumerate(zip(summary["peak_memory_per_rank"], summary["bytes_sent_per_rank"])):

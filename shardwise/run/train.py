@@ -4,7 +4,9 @@ Per step: learning rate from the schedule -> this process's shard of the global 
 ``strategy.train_step`` -> metrics. Evaluation every ``eval_every`` steps and at the end.
 Rank 0 shows a progress bar (or a log line every ``log_every`` steps when stdout is not a
 terminal), writes ``metrics.jsonl`` (the mean over each logging window; shardwise/run/runlog.py) and
-``summary.json``, and prints the summary table. SIGINT / SIGTERM stop the loop cleanly
+``summary.json``, and prints the summary table (its tokens/s is the median step's, from the
+third step on; with ``--compile`` the first step's compilation is ``compile_seconds`` there,
+never in tokens/s). SIGINT / SIGTERM stop the loop cleanly
 (shardwise/run/stopping.py). With ``train.checkpoint_dir`` set, the loop saves a checkpoint every
 ``checkpoint_every`` steps, at the end and when stopped (the stop is taken at the next step
 boundary, after the save: checkpoint/stop.py), and ``train.resume`` continues from the latest
@@ -268,7 +270,8 @@ def _record(step, window: Window, lr, items, flops_per_item, peak, val, rt) -> d
 def _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak, wall,
              train_sent: int) -> dict:
     steps = len(losses)
-    # the first steps pay one-time costs (allocations, lazy init): leave them out of the median
+    # the first steps pay one-time costs (allocations, lazy init, --compile's compilation:
+    # compile_seconds): leave them out of the median
     steady = step_times[min(2, steps - 1):]
     rate = items / statistics.median(steady)
     meter = rt.comm.meter
@@ -278,7 +281,7 @@ def _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, pe
         "strategy": cfg.parallel.strategy, "layout": describe(cfg),
         "world_size": rt.world_size, "steps": steps,
         "losses": losses, "final_loss": losses[-1], "val_loss": val[0], "val_accuracy": val[1],
-        "throughput": rate,
+        "throughput": rate, "compile_seconds": _compile_seconds(cfg, step_times),
         "throughput_unit": "samples" if cfg.data.dataset in IMAGE_SETS else "tokens",
         "mfu": (rate * flops_per_item / (peak * rt.world_size)) if (peak and flops_per_item) else None,
         "wall_seconds": wall,
@@ -288,6 +291,17 @@ def _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, pe
         "trainable_parameters": _trainable(engine),
         "loss_scale": engine.strategy.scaler.report(),     # fp16: scale and skipped steps
     }
+
+
+def _compile_seconds(cfg: Config, step_times: list[float]) -> float | None:
+    """``--compile``: what this process's first step spent compiling, estimated as its time
+    minus the median of the later steps (Dynamo traces and Inductor builds, or reads from its
+    cache, every block's forward and backward in the first step; the next shapes, e.g.
+    evaluation's no-grad forward, compile on their first call, outside the step times). None
+    without --compile, or with one step (nothing to subtract)."""
+    if not cfg.memory.compile or len(step_times) < 2:
+        return None
+    return max(0.0, step_times[0] - statistics.median(step_times[1:]))
 
 
 def _trainable(engine: Engine) -> list[int] | None:

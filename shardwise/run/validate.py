@@ -229,6 +229,9 @@ def _model(cfg: Config) -> None:
     if m.name == "lenet" and cfg.memory.activation_checkpointing:
         raise ConfigError("memory.activation_checkpointing", True, "LeNet has no transformer blocks",
                           "drop --activation-checkpointing, or train the GPT")
+    if m.name == "lenet" and cfg.memory.compile:
+        raise ConfigError("memory.compile", True, "--compile compiles transformer blocks and "
+                          "LeNet has none", "drop --compile, or train the GPT")
     _foreign_model(cfg)
 
 
@@ -278,6 +281,9 @@ def _foreign_model(cfg: Config) -> None:
         raise ConfigError("memory.activation_checkpointing", True, f"checkpointing wraps the "
                           f"blocks a model plan names; {why[0]}", why[1] + "or drop "
                           "--activation-checkpointing")
+    if cfg.memory.compile:
+        raise ConfigError("memory.compile", True, f"--compile compiles the blocks a model plan "
+                          f"names; {why[0]}", why[1] + "or drop --compile")
 
 
 def machine_memory_bytes() -> int | None:
@@ -351,6 +357,12 @@ def _runtime_checks(cfg: Config, world_size: int) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "cuda", "no CUDA device is visible",
                               "use --device cpu (or auto)")
+    if cfg.memory.compile:
+        from shardwise.memory.compile import check_compiler
+        why = check_compiler("cpu" if _on_cpu(cfg) else "cuda")
+        if why:
+            raise ConfigError("memory.compile", True, why, "install one (e.g. apt install g++) "
+                              "or set CXX to its path, or drop --compile")
     check_writable(cfg.logging.out_dir)
     rundir.check_name(cfg.logging.run_name)     # a plain folder name: no '/', '..', 300 bytes
     check_picture(cfg.logging.schedule_png)
