@@ -9,6 +9,7 @@ block it is given (the model's plan names them: parallel/compose.py passes them;
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -23,11 +24,20 @@ def apply_activation_checkpointing(model: nn.Module, blocks=None) -> int:
                          "'blocks' ModuleList); fix: shardwise.register_plan(...) for this model,"
                          " or drop --activation-checkpointing")
     for block in blocks:
-        inner = block.forward
+        block.unchecked_forward = block.forward     # bound to the block
         block.checkpointed = True
-        block.forward = lambda *a, _f=inner, _b=block, **k: (
-            checkpoint(_f, *a, use_reentrant=False, **k) if _b.checkpointed else _f(*a, **k))
+        # a method bound to the block, not a closure over it: a copy of the model
+        # (copy.deepcopy: the dp strategy's replicas) then runs its own blocks
+        block.forward = types.MethodType(_checkpointed_forward, block)
     return len(blocks)
+
+
+def _checkpointed_forward(block: nn.Module, *args, **kwargs):
+    """A checkpointed block's forward: its own forward under torch.utils.checkpoint (or as it
+    is inside :func:`checkpointing_off`)."""
+    if block.checkpointed:
+        return checkpoint(block.unchecked_forward, *args, use_reentrant=False, **kwargs)
+    return block.unchecked_forward(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -30,3 +30,28 @@ def test_mixed_precision_trains_with_fp32_master_weights(dtype):
     # bf16 / fp16 matmuls keep 8 / 11 mantissa bits: after 15 steps the loss drifts by well under
     # 1%; 5% still fails if autocast broke training (e.g. a loss computed in low precision)
     assert abs(losses[-1] - fp32_losses[-1]) < 0.05 * fp32_losses[-1]
+
+
+def test_a_copy_of_a_checkpointed_model_runs_its_own_blocks():
+    """The dp strategy's replicas are copy.deepcopy of the model: each copy's checkpointed blocks
+    must compute with the copy's weights (a closure over the original block ran the original's,
+    so the copies' parameters got no gradient)."""
+    import copy
+
+    import torch
+
+    from shardwise.config import ModelConfig
+    from shardwise.memory.checkpointing import apply_activation_checkpointing
+    from shardwise.models import build_model
+    model = build_model(ModelConfig(n_layer=2, n_embd=32, n_head=4, block_size=16,
+                                    vocab_size=64), 0)
+    apply_activation_checkpointing(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1.5)
+    x = torch.randint(0, 64, (2, 16))
+    twin(x).float().sum().backward()
+    assert all(p.grad is not None for p in twin.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in model.parameters())
+    assert not torch.allclose(twin(x), model(x))
