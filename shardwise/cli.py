@@ -111,10 +111,12 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     the config file, then validate the config against the world it will run in. Returns
     (config, parsed flags, world size); raises ConfigError (or SystemExit(2) for a bad flag)."""
     from shardwise.launch import torchrun as launch
+    from shardwise.parallel import replicas_checks
     from shardwise.parallel.layout import check_model_names
     from shardwise.checkpoint.checks import check as check_checkpoint
     from shardwise.run.validate import check_ignored, validate
     cfg, args = parse_config(argv)
+    cfg = replicas_checks.group_config(cfg)   # a replica group's rank: the group's config
     world = launch.world_size(cfg)
     validate(cfg, world)
     launch.check_gpus(cfg)          # a CUDA run: one GPU per rank on this node
@@ -186,6 +188,9 @@ def cmd_train(argv: list[str]) -> int:
     except ConfigError as exc:
         return error(str(exc))
     prelaunch.warn_emulated(cfg)
+    if cfg.parallel.ft_replicas:     # R torchruns and the lighthouse (launch/replicas.py)
+        from shardwise.launch import replicas
+        return replicas.launch(cfg, world, argv, folder)
     if world > 1 or cfg.train.max_restarts:   # restarts need torchrun's agent, even for one rank
         return launch.relaunch(world, ["train", *argv, "--run-name", cfg.logging.run_name], folder,
                                max_restarts=cfg.train.max_restarts)

@@ -150,6 +150,11 @@ class ParallelConfig:
                            " that task is declared failed (workers wait twice as long for a ps)")
     zero3_units: str = _f("", "ZeRO-3: module class names that form one unit each, comma-separated"
                           " (e.g. 'GPT2Block'); empty = the largest repeated module class")
+    ft_replicas: int = _f(0, "fault tolerance: split the data-parallel world into this many "
+                          "replica groups, each started by a torchrun of its own; a group that "
+                          "loses a rank is dropped from the gradient average while the others "
+                          "keep stepping, and rejoins (restarted by --max-restarts) with a live "
+                          "group's weights and optimizer state; 0 = off (docs/checkpoints.md)")
 
 
 @dataclass(frozen=True)

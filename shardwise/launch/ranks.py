@@ -89,6 +89,7 @@ def train_rank(cfg: Config) -> int:
     from shardwise.run.runtime import init_runtime, shutdown
     from shardwise.comm.collectives import CollectiveError
     from shardwise.run.train import NonFiniteLoss, train
+    from shardwise.comm.quorum import RunFinished
     request = stopping.install_handlers()
     stopping.watch_parent()
     ours = os.environ.get("SHARDWISE_RUN_DIR")   # set by our launcher: the folder is made
@@ -100,11 +101,14 @@ def train_rank(cfg: Config) -> int:
         record_flight(rt, rundir.path(cfg))
         if rt.is_main and launch.restart_count():    # --max-restarts: a restarted world
             launch.keep_attempt_metrics(rundir.path(cfg))
-            print(launch.restart_line(restart_step(cfg)), flush=True)
+            print(restarted_line(cfg), flush=True)
         train(cfg, rt)["engine"].close()
         shutdown(rt)
     except ConfigError as exc:
         code = error(str(exc))
+    except RunFinished as exc:          # --ft-replicas: nothing left to rejoin
+        if rt is not None and rt.is_main:
+            print(f"replica group: {exc} before this one rejoined", flush=True)
     except NonFiniteLoss as exc:
         if rt is not None and rt.is_main:
             print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -135,6 +139,19 @@ def train_rank(cfg: Config) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def restarted_line(cfg: Config) -> str:
+    """Rank 0's one line in a world torchrun restarted: from which step it continues (with
+    --ft-replicas: its group rejoins the live ones, from their state)."""
+    from shardwise.launch import torchrun as launch
+    from shardwise.parallel.replicas_checks import in_group
+    group = in_group()
+    if cfg.parallel.ft_replicas and group is not None:
+        total = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+        return (f"restart {launch.restart_count()} of {total}: replica group {group} rejoins "
+                "the live groups at their next step, with their state")
+    return launch.restart_line(restart_step(cfg))
 
 
 def record_flight(rt, run_dir: str) -> None:

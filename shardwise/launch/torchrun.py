@@ -158,7 +158,7 @@ def check_restarts(cfg: Config) -> None:
     if n < 0:
         raise ConfigError("train.max_restarts", n, "is negative",
                           "give 0 (a dead rank ends the run) or a number of restarts")
-    if n and not cfg.train.checkpoint_dir:
+    if n and not cfg.train.checkpoint_dir and not cfg.parallel.ft_replicas:
         raise ConfigError("train.max_restarts", n, "a restarted world resumes from the last "
                           "checkpoint, and without --checkpoint-dir nothing is saved to resume "
                           "from", "add --checkpoint-dir DIR (and --checkpoint-every N)")

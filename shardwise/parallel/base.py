@@ -162,6 +162,9 @@ class Strategy(ActivationLedger, LossScaling, StrategyState):
     # every rank's parameters were made from the seed, identically (a meta-device build,
     # models/init.py): a data-parallel component skips its start-up broadcast (compose.py)
     deterministic_start = False
+    # --ft-replicas: the replica groups (parallel/replicas.py) whose reduce() a component's
+    # _finish_grad_sync calls on its reduced gradients; None without
+    replicas = None
 
     def __init__(self, cfg: Config, mesh: Mesh, comm: Comm, device: torch.device, loss_fn: LossFn):
         self.cfg, self.mesh, self.comm, self.device, self.loss_fn = cfg, mesh, comm, device, loss_fn
@@ -286,7 +289,8 @@ class Strategy(ActivationLedger, LossScaling, StrategyState):
                 loss = self.batch_loss(xm, ym)
                 total += loss.detach()
                 if last:   # the loss is known: average it while backward and step run
-                    mean = self.launch_mean(total / len(xs))
+                    self.local_loss = total / len(xs)    # this rank's own (--ft-replicas)
+                    mean = self.launch_mean(self.local_loss)
                 self.backward(loss / len(xs))
         self._clip_if_configured()
         self.step()

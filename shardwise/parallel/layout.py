@@ -31,8 +31,8 @@ from dataclasses import replace
 from shardwise.config import Config, ConfigError
 from shardwise.parallel.presets import DATA_MODEL, PRESETS, zero_stage  # noqa: F401 (re-exported)
 from shardwise.memory import checks as memory_checks
-from shardwise.parallel import (context_checks, dp_checks, ps_checks, sequence_checks,
-                                tensor_checks)
+from shardwise.parallel import (context_checks, dp_checks, ps_checks, replicas_checks,
+                                sequence_checks, tensor_checks)
 from shardwise.parallel.data import checks as data_checks
 from shardwise.parallel.pipeline import checks as pipeline_checks
 
@@ -93,6 +93,7 @@ def check_components(cfg: Config, world_size: int, dp: int) -> None:
     pipeline_checks.check(cfg, world_size, dp)
     ps_checks.check(cfg, world_size)
     dp_checks.check(cfg, world_size)
+    replicas_checks.check(cfg, world_size, dp)
     memory_checks.check(cfg)
 
 

@@ -15,6 +15,10 @@ generate``): exactly in the same layout, resharded in another (shardwise/checkpo
 :class:`NonFiniteLoss` (the CLI prints its one line and exits 1; the metrics so far are kept):
 the check reads the float ``train_step`` already returns every step (averaged over the data
 shards, so every rank sees the same value and all stop together), so it adds no device sync.
+With ``--ft-replicas`` (parallel/replicas.py) each step
+first takes a quorum of the live replica groups, trains on this group's share of the global
+batch and averages over the live groups, redone in a new quorum when a peer is lost; a
+restarted group joins before its first step with a live group's state and step.
 Per-rank figures (peak memory, bytes sent)
 are gathered to rank 0 with one small object collective per logged step (metered as 'objects',
 left out of the traffic figures).
@@ -39,6 +43,7 @@ from shardwise.comm.collectives import CollectiveError
 from shardwise.config import Config, to_dict
 from shardwise.data import build_data
 from shardwise.parallel.layout import describe
+from shardwise.parallel.replicas import attach as attach_replicas
 from shardwise.run import memreport
 from shardwise.config import rundir
 from shardwise.run import stopping
@@ -114,6 +119,9 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     left = replace(cfg, train=replace(cfg.train, steps=cfg.train.steps - plan.step)) if plan else cfg
     engine = prepare(model, optimizer_factory(cfg), left, loss_fn=loss_for(cfg.model), runtime=rt)
     start = checkpoint.restore(engine, plan)         # last: it also sets the RNG states
+    ft = attach_replicas(engine.strategy, cfg, run_dir(cfg))   # --ft-replicas, else None
+    if ft is not None:
+        start = ft.join(start)      # the live groups' step, with their state
     index, count = engine.strategy.data_shard()
     items = cfg.train.batch_size * (cfg.model.block_size if data.kind == "tokens" else 1)
     out = run_dir(cfg)
@@ -131,11 +139,15 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
             rt.comm.at_step(step + 1)
             lr = lr_at(step, cfg)
             engine.strategy.set_lr(lr)
-            x, y = data.batch(0 if cfg.data.repeat_batch else step, cfg.train.batch_size,
-                              index, count)
+            batch = lambda i, n: data.batch(0 if cfg.data.repeat_batch else step,  # noqa: E731
+                                            cfg.train.batch_size, i, n)
+            x, y = batch(index, count) if ft is None else (None, None)
             sent0 = rt.comm.meter.total().bytes_sent
             t0 = time.perf_counter()
-            loss = engine.train_step(x, y)
+            if ft is None:
+                loss = engine.train_step(x, y)
+            else:   # --ft-replicas: this step's quorum and share (parallel/replicas.py)
+                loss, x, y = ft.train_step(step, batch)
             dt = time.perf_counter() - t0
             sent = rt.comm.meter.total().bytes_sent - sent0   # this step's training traffic only
             train_sent += sent
@@ -166,6 +178,8 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     finally:
         stop.__exit__()
         log.close()
+    if ft is not None:
+        ft.finish()
     summary = _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak,
                        time.perf_counter() - began, train_sent)
     if data.kind == "tokens":   # after the summary: its gather is not the training's traffic

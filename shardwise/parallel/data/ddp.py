@@ -166,6 +166,8 @@ class DDPStrategy(Strategy):
                     bucket.buffer.copy_(bucket.extra["low"])
             if n > 1:
                 bucket.buffer.div_(n)
+        if self.replicas is not None:    # --ft-replicas: then over the live replica groups
+            self.replicas.reduce([bucket.buffer for bucket in self.buckets.buckets])
         if self.find_unused:
             used = torch.tensor(self.buckets.used, dtype=torch.float32, device=self.device)
             self.comm.all_reduce(used, self.group, op="max", name="ddp_unused")

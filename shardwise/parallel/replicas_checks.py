@@ -1,0 +1,83 @@
+"""Replica groups' own setting (``--ft-replicas R``), checked before launch; pure.
+
+The launcher (launch/replicas.py) splits a data-parallel world of ``dp`` ranks into R groups of
+``dp / R`` ranks, each a torchrun of its own; inside a group's ranks the config is the group's
+(:func:`group_config`: dp and the process count divided by R), so the same checks run before
+launch (on the whole world) and in every rank (on its group), and agree.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+
+from shardwise.config import Config, ConfigError
+from shardwise.parallel.presets import DATA_MODEL, has_roles, zero_stage
+
+ENV_GROUP = "SHARDWISE_FT_GROUP"      # this rank's replica group id (set by launch/replicas.py)
+ENV_STORE = "SHARDWISE_FT_STORE"      # host:port of the lighthouse store
+
+
+def in_group() -> int | None:
+    """The replica group this process is a rank of, or None (no --ft-replicas, or the launcher)."""
+    value = os.environ.get(ENV_GROUP, "")
+    return int(value) if value.isdigit() else None
+
+
+def group_config(cfg: Config) -> Config:
+    """In a replica group's rank: the config of the group (dp and the process count / R);
+    elsewhere the config unchanged."""
+    r = cfg.parallel.ft_replicas
+    if r < 2 or in_group() is None:
+        return cfg
+    p = cfg.parallel
+    return replace(cfg, parallel=replace(p, dp=p.dp // r, nproc_per_node=p.nproc_per_node // r))
+
+
+def _refuse(value, why: str, fix: str) -> None:
+    raise ConfigError("parallel.ft_replicas", value, why, fix)
+
+
+def check(cfg: Config, world_size: int, dp: int) -> None:
+    """``--ft-replicas`` against the layout and the batch (one line each, exit 2)."""
+    r = cfg.parallel.ft_replicas
+    if r == 0:
+        return
+    if r < 2:
+        _refuse(r, "one replica group cannot survive the loss of its own ranks",
+                "give 2 or more groups, or 0 (off)")
+    if has_roles(cfg):
+        _refuse(r, "the parameter server handles a lost worker itself", "drop --ft-replicas "
+                "(see --on-worker-failure), or use --strategy ddp")
+    if cfg.parallel.strategy not in DATA_MODEL:
+        _refuse(r, f"strategy {cfg.parallel.strategy} runs as one process", "use --strategy ddp")
+    whole = dp * r if in_group() is not None else dp
+    if whole % r:
+        _refuse(r, f"does not divide the data-parallel size {whole}", "give a divisor of the dp "
+                "size, or change --nproc-per-node / --dp")
+    _not_built(cfg, r)
+    group = whole // r
+    per = cfg.memory.grad_accum * group
+    lcm = math.lcm(*range(1, r + 1)) * per
+    if cfg.train.batch_size % lcm:
+        _refuse(r, f"batch size {cfg.train.batch_size} does not split into equal shares over "
+                f"every live count of groups (1 to {r}) x {group} rank(s) x grad_accum "
+                f"{cfg.memory.grad_accum}", f"use a --batch-size that is a multiple of {lcm}")
+
+
+def _not_built(cfg: Config, r: int) -> None:
+    """Layouts inside a group that replica groups do not serve yet (docs/checkpoints.md)."""
+    p = cfg.parallel
+    stage = zero_stage(cfg)
+    inside = [f"ZeRO-{stage}"] if stage > 0 else []
+    inside += [f"--{a} {getattr(p, a)}" for a in ("tp", "pp", "cp") if getattr(p, a) > 1]
+    if inside:
+        _refuse(r, f"replica groups of {' / '.join(inside)} are not built yet (DDP inside each "
+                "group is)", "use --strategy ddp, or drop --ft-replicas")
+    if cfg.memory.mixed_precision == "fp16":
+        _refuse(r, "fp16's loss scaler skips steps per group, and the groups would diverge "
+                "(not built yet)", "use --mixed-precision bf16 or no")
+    if cfg.train.checkpoint_dir or cfg.train.resume:
+        _refuse(r, "a group rejoins from a live group's state, not from a checkpoint; saving "
+                "checkpoints under --ft-replicas is not built yet", "drop --checkpoint-dir "
+                "and --resume")
