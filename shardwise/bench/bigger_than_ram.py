@@ -15,20 +15,22 @@ folder): the command, the machine (commit, dirty flag, date), the machine's RAM,
 training-state bytes, per-step loss and seconds, peak RSS per process, peak disk bytes, the
 generation's seconds, and a markdown ``table`` (docs: ``json-table``).
 
-``--checkpoint`` (default 18 x 2880, 24 heads: 1.8B parameters, training state 28.7 GB, more
-than this machine's RAM) runs the chain from a checkpoint instead: the same training with
-``--checkpoint-dir`` (saved at the last step; each rank writes its own pieces of the masters
-and Adam moments, never gathering them: shardwise/checkpoint/pieces.py), then ``shardwise
+``--checkpoint`` (the same 3.2B GPT by default) runs the chain from a checkpoint instead: the
+same training with ``--checkpoint-dir --checkpoint-move-last`` (saved at the last step, after
+final.safetensors; each rank writes its own pieces of the masters and Adam moments, never
+gathering them: shardwise/checkpoint/pieces.py, and frees each offload file's disk blocks once
+its pieces are written, so the checkpoint replaces the offload files on disk), then ``shardwise
 checkpoint export`` of it into one .safetensors file (streamed), checked tensor by tensor
 against the run's ``final.safetensors``, then ``shardwise generate`` from the export
 (``generate --run`` reads a folder's config.json and final.safetensors: the export is written
 under that name into a folder holding a copy of the run's config.json). Before it starts it
 refuses (exit 2, one line) when the filesystem has fewer free bytes than what coexists at the
-end of training: the offload files (16 bytes a parameter), the checkpoint (12) and
-final.safetensors (4). It samples each phase's peak RSS per process and disk bytes, and writes
+chain's peak (:func:`disk_needed`: 20 bytes a parameter with the move; 32 with ``--copy``, the
+last checkpoint copied beside the offload files). It samples each phase's peak RSS per process and disk bytes, and writes
 ``bigger-than-ram-checkpoint.json`` with the same records plus the checkpoint's, the export's
 and the generation's; the offload folder, checkpoint and export are removed at the end unless
-``--keep``. Why not at 3.2B: 32 bytes a parameter is 102 GB there; this disk has about 77 GB.
+``--keep``. Without the move (``--copy``) 3.2B parameters need 102 GB at once, more than this
+disk's 77 GB: the chain ran one size down (18 x 2880, 1.8B) before the move existed.
 """
 from __future__ import annotations
 
@@ -106,10 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shardwise.bench.bigger_than_ram")
     ap.add_argument("--checkpoint", action="store_true", help="the chain from a checkpoint: "
                     "train with --checkpoint-dir, export it, generate from the export "
-                    "(bigger-than-ram-checkpoint.json; default --n-layer 18)")
+                    "(bigger-than-ram-checkpoint.json), the last checkpoint moved from the "
+                    "offload files (--checkpoint-move-last)")
+    ap.add_argument("--copy", action="store_true", help="--checkpoint: copy the last "
+                    "checkpoint beside the offload files instead of moving it (32 B a "
+                    "parameter on disk at once instead of 20)")
     ap.add_argument("--keep", action="store_true", help="--checkpoint: keep the offload "
                     "folder, checkpoint and export (tens of GB) instead of removing them")
-    ap.add_argument("--n-layer", type=int, default=None, help="default 32 (--checkpoint: 18)")
+    ap.add_argument("--n-layer", type=int, default=32)
     ap.add_argument("--n-embd", type=int, default=2880)
     ap.add_argument("--n-head", type=int, default=24)
     ap.add_argument("--steps", type=int, default=3)
@@ -118,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-dir", default="", help="default: a new folder under /tmp")
     ap.add_argument("--save", action="store_true")
     args = ap.parse_args(argv)
-    if args.n_layer is None:
-        args.n_layer = 18 if args.checkpoint else 32
     if args.checkpoint:
         return checkpoint_chain(args)
     from shardwise.bench.run import machine
@@ -212,10 +216,14 @@ OFFLOAD_B, CHECKPOINT_B, WEIGHTS_B = 16, 12, 4
 HEADROOM = 2 * 2**30      # logs, the pieces' headers, the generation folder's copy of the config
 
 
-def disk_needed(params: int) -> int:
-    """Bytes that coexist on disk at the chain's peak: at the end of training the offload
-    files, the checkpoint and final.safetensors (32 B a parameter); afterwards the offload
-    files are gone and the export joins the other two (20 B), so the end of training decides."""
+def disk_needed(params: int, move: bool = True) -> int:
+    """Bytes that coexist on disk at the chain's peak. With the move: the offload files and
+    final.safetensors at the end of training (20 B a parameter), the offload files shrinking
+    as the checkpoint grows while it is saved, then the checkpoint, final.safetensors and the
+    export (20 B). With a copy: the offload files, the checkpoint and final.safetensors at the
+    end of training (32 B)."""
+    if move:
+        return max(OFFLOAD_B, CHECKPOINT_B + WEIGHTS_B) * params + WEIGHTS_B * params + HEADROOM
     return (OFFLOAD_B + CHECKPOINT_B + WEIGHTS_B) * params + HEADROOM
 
 
@@ -267,12 +275,13 @@ def checkpoint_chain(args) -> int:
     params = ModelSpec(args.n_layer, args.n_embd, args.n_head, 64, 256,
                        tied_embeddings=False).params - 3 * args.n_embd * args.n_layer
     base = os.path.dirname(args.offload_dir) if args.offload_dir else tempfile.gettempdir()
-    need, free = disk_needed(params), _free_bytes(base)
+    move = not args.copy
+    need, free = disk_needed(params, move), _free_bytes(base)
     if free < need:
-        print(f"error: {params:,} parameters need {need:,} bytes of disk at once (offload "
-              f"{OFFLOAD_B} + checkpoint {CHECKPOINT_B} + final weights {WEIGHTS_B} bytes a "
-              f"parameter, and {HEADROOM:,} to spare); {free:,} are free on {base}; fix: a "
-              "smaller --n-layer, or free disk", file=sys.stderr)
+        print(f"error: {params:,} parameters need {need:,} bytes of disk at once "
+              f"({need // params} bytes a parameter with the last checkpoint "
+              f"{'moved' if move else 'copied'}, and {HEADROOM:,} to spare); {free:,} are free "
+              f"on {base}; fix: a smaller --n-layer, or free disk", file=sys.stderr)
         return 2
     where = machine()                                 # commit and dirty flag, before the run
     work = tempfile.mkdtemp(prefix="shardwise-bigger-ck-")
@@ -283,7 +292,9 @@ def checkpoint_chain(args) -> int:
     run_dir = os.path.join(runs, "run")
     exported = os.path.join(gen, "final.safetensors")
     train = _train_command(args)
-    cmds = {"train": [*train, "--checkpoint-dir", ckpt, "--out-dir", runs, "--run-name", "run"],
+    moving = ["--checkpoint-move-last"] if move else []
+    cmds = {"train": [*train, "--checkpoint-dir", ckpt, *moving, "--out-dir", runs,
+                      "--run-name", "run"],
             "export": ["shardwise", "checkpoint", "export", ckpt, exported],
             "generate": ["shardwise", "generate", "--run", gen, "--prompt", "def ",
                          "--max-new-tokens", "4", "--temperature", "0"]}
@@ -292,7 +303,9 @@ def checkpoint_chain(args) -> int:
     print(f"{params:,} parameters; training state {16 * params / 2**30:.1f} GiB; RAM "
           f"{_ram_bytes() / 2**30:.1f} GiB; disk needed {need / 2**30:.1f} GiB of "
           f"{free / 2**30:.1f} GiB free; {' '.join(full_train)}", flush=True)
-    result = {"machine": where, "command": " ".join(train) + " --checkpoint-dir CKPT",
+    result = {"machine": where, "command": " ".join([*train, "--checkpoint-dir", "CKPT",
+                                                     *moving]),
+              "moved": move,
               # WORK: a new folder under the temporary directory (the offload files in
               # WORK/offload); the export is WORK/export/final.safetensors beside a copy of the
               # run's config.json, the folder generate --run reads
@@ -364,6 +377,13 @@ def checkpoint_chain(args) -> int:
     return 0 if ok else 1
 
 
+def _needed_words(r: dict) -> str:
+    if r.get("moved"):
+        return ("offload 16 + final weights 4 B a parameter; the checkpoint, 12, takes the "
+                "offload files' place")
+    return "offload 16 + checkpoint 12 + final weights 4 B a parameter"
+
+
 def checkpoint_table(r: dict) -> str:
     gib = 2 ** 30
     rows = ["| figure | value |", "|---|---:|",
@@ -372,7 +392,7 @@ def checkpoint_table(r: dict) -> str:
             f"{r['training_state_bytes'] / gib:.1f} GiB |",
             f"| this machine's RAM | {r['ram_bytes'] / gib:.1f} GiB |",
             f"| state / RAM | {r['state_over_ram']:.2f} |",
-            f"| disk needed at once (offload 16 + checkpoint 12 + final weights 4 B a parameter) "
+            f"| disk needed at once ({_needed_words(r)}) "
             f"/ free at the start | {r['disk_needed_bytes'] / gib:.1f} / "
             f"{r['disk_free_bytes'] / gib:.1f} GiB |"]
     if "disk_peak_bytes" in r:
@@ -387,7 +407,8 @@ def checkpoint_table(r: dict) -> str:
     c = r.get("checkpoint")
     if c:
         save = f", saved in about {c['save_seconds']:.0f} s" if c.get("save_seconds") else ""
-        rows.append(f"| checkpoint at step {c['step']} (each rank's pieces) | "
+        how = "moved from the offload files" if r.get("moved") else "each rank's pieces"
+        rows.append(f"| checkpoint at step {c['step']} ({how}) | "
                     f"{c['bytes'] / gib:.1f} GiB ({c['bytes_per_parameter']:.1f} B a "
                     f"parameter){save} |")
     if r.get("final_weights_bytes"):

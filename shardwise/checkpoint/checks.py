@@ -19,7 +19,8 @@ def check(cfg: Config, world_size: int) -> store.Found | None:
                           "use --keep 1 or more")
     if not t.checkpoint_dir:
         for name, value in (("checkpoint_every", t.checkpoint_every), ("resume", t.resume),
-                            ("checkpoint_async", t.checkpoint_async)):
+                            ("checkpoint_async", t.checkpoint_async),
+                            ("checkpoint_move_last", t.checkpoint_move_last)):
             if value:
                 raise ConfigError(f"train.{name}", value, "needs a folder to save into or "
                                   "resume from", "add --checkpoint-dir DIR")

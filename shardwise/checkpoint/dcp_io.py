@@ -37,14 +37,18 @@ def _writer(folder: str):
     return FileSystemWriter(folder, per_thread_copy_ahead=0)
 
 
-def save(state: dict, folder: str, group: Group, pieces=None, release=None) -> None:
+def save(state: dict, folder: str, group: Group, pieces=None, release=None,
+         discard=None) -> None:
     """Write ``state`` (a flat dict of tensors and objects) into ``folder`` from every rank;
     ``pieces`` (checkpoint/pieces.py): besides, this rank's boxes of layout-free tensors,
     written straight from the (memory-mapped) store tensors they view, each store tensor's
     pages dropped with ``release([owner], False)`` once the writer has moved past it (disk
-    offload)."""
+    offload). ``discard`` (a move: ``--checkpoint-move-last``): ``discard([owner])`` frees a
+    store tensor's disk blocks once the writer has written the last box in its storage
+    (owners may be views of one store tensor), so the checkpoint takes the place of the offload files instead of being a second copy."""
     import torch.distributed.checkpoint as dcp
-    planner = _piece_saver(pieces, release) if pieces else None
+    planner = _piece_saver(pieces, release, discard) if pieces else None
+    written = False
     try:
         if group.pg is None:
             with warnings.catch_warnings():     # "assuming ... a single process": it is one
@@ -54,9 +58,10 @@ def save(state: dict, folder: str, group: Group, pieces=None, release=None) -> N
         else:
             dcp.save(state, checkpoint_id=folder, storage_writer=_writer(folder),
                      planner=planner, process_group=group.pg)
+        written = True
     finally:
         if planner is not None:
-            planner.done()
+            planner.done(written)
 
 
 def load_pieces(pieces, folder: str, group: Group | None, release=None) -> None:
@@ -73,8 +78,13 @@ def load_pieces(pieces, folder: str, group: Group | None, release=None) -> None:
         dcp.load({}, checkpoint_id=folder, planner=planner, process_group=group.pg)
 
 
-def _piece_saver(pieces, release):
-    """DCP's default save planner plus one SHARD write item per piece (its box of the key)."""
+def _piece_saver(pieces, release, discard=None):
+    """DCP's default save planner plus one SHARD write item per piece (its box of the key).
+
+    DCP's writer (one thread, no copy-ahead: :func:`_writer`) asks ``resolve_data`` for an
+    item only once it has written the one before (it sorts the items by size, so one owner's
+    boxes need not be consecutive): so at each call the previous box is on its way to the file
+    (torch.save has copied its bytes), and an owner whose boxes are all written can go."""
     import dataclasses
 
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -83,6 +93,12 @@ def _piece_saver(pieces, release):
     from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
                                                       WriteItemType)
     by_index = {(p.key, tuple(p.offsets)): p for p in pieces}
+    def home(p) -> int:                     # the memory an owner lives in (views share it)
+        return p.owner.untyped_storage().data_ptr()
+    left: dict[int, int] = {}               # owner's storage -> its boxes not yet written
+    for p in pieces:
+        if p.owner is not None:
+            left[home(p)] = left.get(home(p), 0) + 1
 
     class Planner(DefaultSavePlanner):
         def create_local_plan(self):
@@ -98,22 +114,42 @@ def _piece_saver(pieces, release):
             return self.plan
 
         owner = None                        # the store tensor the last box came from
+        last = None                         # the last box handed to the writer
 
         def resolve_data(self, write_item):
+            self._written()                 # the writer asks for an item once the last is written
             p = by_index.get((write_item.index.fqn, tuple(write_item.index.offset or ()))) \
                 if write_item.type == WriteItemType.SHARD else None
             if p is None:
                 return super().resolve_data(write_item)
-            if p.owner is not self.owner:   # the writer asks for a box once the last is written
-                self.done()
+            if p.owner is not self.owner:
+                self._drop()
                 self.owner = p.owner
+            self.last = p
             return _exact(p.data)
 
-        def done(self) -> None:
+        def _written(self) -> None:
+            """The last box is written: with ``discard``, free its owner after its last box."""
+            p, self.last = self.last, None
+            if p is None or discard is None or p.owner is None:
+                return
+            left[home(p)] -= 1
+            if left[home(p)] == 0:          # every box in that storage is written
+                if self.owner is p.owner:
+                    self._drop()
+                discard([p.owner])
+
+        def _drop(self) -> None:
             """Drop the pages of the store tensor the last box came from."""
             if release is not None and self.owner is not None:
                 release([self.owner], False)
             self.owner = None
+
+        def done(self, written: bool = True) -> None:
+            """After the writer (``written``) or a failure: the last box's owner is done with."""
+            if written:
+                self._written()
+            self._drop()
     return Planner()
 
 

@@ -102,12 +102,16 @@ def set_rng_state(state: dict, device) -> None:
     torch.cuda.set_rng_state(cuda, device)
 
 
-def save(engine, cfg: Config, step: int) -> str:
+def save(engine, cfg: Config, step: int, move: bool = False) -> str:
     """Every rank: save the state after ``step`` optimizer steps into
     ``train.checkpoint_dir``/step-<step>, then (rank 0) publish it (store.publish). Collective
     over the world. Returns the folder (published, or to be published once the background
     write is complete: ``train.checkpoint_async`` before the last step, see :class:`AsyncSave`).
-    A background save still in flight is finished (and published) first."""
+    A background save still in flight is finished (and published) first. ``move``
+    (``--checkpoint-move-last``, a layout that writes its own pieces: disk offload): the
+    offload files' disk blocks are freed as their pieces are written (the spare ones, such as
+    the gradients, first), so the checkpoint replaces the state on disk instead of copying it;
+    the strategy cannot be used afterwards (``strategy.moved_to`` names the checkpoint)."""
     rt, strategy = engine.runtime, engine.strategy
     world, root = rt.mesh.world, cfg.train.checkpoint_dir
     pending = getattr(engine, "checkpoint_async", None)
@@ -117,6 +121,11 @@ def save(engine, cfg: Config, step: int) -> str:
         store.begin(root, step)
     rt.comm.barrier(world)                         # the folder exists before anyone writes
     parts = _parts(strategy)
+    if move and parts is None:
+        raise RuntimeError("checkpoint_move_last: this layout does not write its checkpoint "
+                           "from offload files (ZeRO with --offload disk, no tp / pp does)")
+    if move:
+        parts["discard"](parts["spare"])
     if parts is None:
         state, tensors, reshard = _state(strategy, cfg, rt)
         boxes = None
@@ -143,7 +152,10 @@ def save(engine, cfg: Config, step: int) -> str:
         pending.start(state, tmp, publish)
         return os.path.join(root, store.step_name(step))
     # returns when every rank's file is written
-    dcp_io.save(state, tmp, world, boxes, parts["release"] if parts else None)
+    if move:
+        strategy.moved_to = os.path.join(root, store.step_name(step))
+    dcp_io.save(state, tmp, world, boxes, parts["release"] if parts else None,
+                parts["discard"] if move else None)
     folder = publish() if publish else os.path.join(root, store.step_name(step))
     rt.comm.barrier(world)                         # published before any rank goes on
     return folder

@@ -226,6 +226,12 @@ class TrainConfig:
                                 "(torch.distributed.checkpoint.async_save): training goes on "
                                 "while the files are written; 'latest' switches only once a save"
                                 " is complete; the last step's save is written at once")
+    checkpoint_move_last: bool = _f(False, "with --offload disk (ZeRO, no tp / pp): the last "
+                                    "step's checkpoint takes the offload files' bytes instead "
+                                    "of copying them (each piece's disk blocks are freed once "
+                                    "it is written), so the end of the run needs no room for "
+                                    "the state twice; saved after final.safetensors; the run's "
+                                    "state cannot be trained on afterwards")
     resume: bool = _f(False, "continue from the checkpoint --checkpoint-dir's 'latest' names "
                       "(the same layout: bit-identical; another layout or world: resharded)")
     max_restarts: int = _f(0, "restart the whole world up to N times when a rank dies "

@@ -48,7 +48,7 @@ import os
 
 import torch
 
-from shardwise.memory.offload_io import DiskIO, Region, map_file
+from shardwise.memory.offload_io import DiskIO, Region, discard, map_file
 
 PLACES = ("none", "cpu", "disk")
 
@@ -142,6 +142,18 @@ class OffloadStore:
         touch them again at once: they are read back)."""
         if self.io is not None:
             self.io.write_back(self._regions(tensors), written)
+
+    def discard(self, tensors) -> None:
+        """Disk: free the disk blocks of the store tensors these tensors are (or are views of)
+        at once (they read zeros afterwards): for
+        state moved into the last checkpoint (checkpoint/dcp_io.py), never used again. Pending
+        writes finish first, so none lands in a freed file afterwards. Elsewhere nothing."""
+        if self.io is not None:           # a view's region: the one its storage starts
+            regions = [r for r in (self._maps.get(t.untyped_storage().data_ptr())
+                                   for t in tensors if t is not None) if r is not None]
+            if regions:
+                self.io.drain()
+                discard(regions)
 
     def drain(self) -> None:
         """Wait until every prefetch and write-back finished; raise the first I/O error (an

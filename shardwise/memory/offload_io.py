@@ -49,7 +49,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 MS_SYNC = 4
-MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ, MADV_POPULATE_WRITE = 3, 4, 22, 23
+MADV_WILLNEED, MADV_DONTNEED, MADV_REMOVE, MADV_POPULATE_READ, MADV_POPULATE_WRITE = \
+    3, 4, 9, 22, 23
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -112,6 +113,14 @@ def drop(regions: list[Region]) -> None:
     """Unmap every page from this process (their data stays in the file's page cache)."""
     for r in regions:
         _call(_libc.madvise, r, MADV_DONTNEED, "dropping pages")
+
+
+def discard(regions: list[Region]) -> None:
+    """Free these files' disk blocks (``MADV_REMOVE``: a hole punched over the whole mapping;
+    the mapping stays valid and reads zeros): for state that was moved elsewhere (the last
+    checkpoint of a run, ``--checkpoint-move-last``) and is never read again."""
+    for r in regions:
+        _call(_libc.madvise, r, MADV_REMOVE, "freeing the disk blocks")
 
 
 def sync(regions: list[Region]) -> None:

@@ -125,6 +125,7 @@ class Engine:
         backpropagates to each rank's columns); for the fast path use ``engine.loss(x, y)`` /
         ``engine.train_step(x, y)`` (vocab-parallel cross-entropy, no rank holds the whole
         logits), or ``engine.local_logits(x)`` for this rank's columns."""
+        self._usable("engine(x)")
         out = self.strategy.forward(*args, **kwargs)
         whole = getattr(self.strategy.loss_fn, "whole_output", None)
         return out if whole is None else whole(out)
@@ -134,6 +135,7 @@ class Engine:
         with a vocabulary-split head, (..., V_local) = this tp rank's vocabulary columns
         ``shard_range(V, tp_rank, tp)`` (shardwise/comm/autograd.py: the first V % tp ranks hold
         one more); elsewhere the whole logits, as ``engine(x)``'s."""
+        self._usable("engine.local_logits")
         from shardwise.models.build import logits_of
         return logits_of(self.strategy.forward(*args, **kwargs))
 
@@ -164,15 +166,18 @@ class Engine:
                              collate_fn=collate_fn, num_workers=num_workers)
 
     def backward(self, loss: torch.Tensor) -> None:
+        self._usable("engine.backward")
         self.strategy.backward(loss)
 
     def step(self) -> None:
+        self._usable("engine.step")
         self.strategy.step()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to a global L2 norm of ``max_norm`` (after they are reduced, over
         every shard and parallel axis); returns the norm before clipping, as
         torch.nn.utils.clip_grad_norm_ does. Call it between backward and step, on every rank."""
+        self._usable("engine.clip_grad_norm_")
         return self.strategy.clip_grad_norm_(max_norm)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
@@ -190,8 +195,19 @@ class Engine:
         self._check(x, y, "engine.evaluate")
         return self.strategy.evaluate(x, y)
 
+    def _usable(self, what: str) -> None:
+        """Refuse to use a state moved into the run's last checkpoint (--checkpoint-move-last:
+        the offload files' blocks were freed; they read zeros now)."""
+        moved = getattr(self.strategy, "moved_to", None)
+        if moved:
+            raise RuntimeError(f"{what}: this engine's state was moved into the checkpoint "
+                               f"{moved} at the end of the run (--checkpoint-move-last); fix: "
+                               "load that checkpoint (--resume, or shardwise checkpoint "
+                               "export) to go on")
+
     def _check(self, x, y, what: str) -> None:
         """Refuse a batch this engine cannot train on, with the fix."""
+        self._usable(what)
         batches.check(x, f"{what} batch")
         batches.check(y, f"{what} target")
         if y is not None and batches.rows(y) != batches.rows(x):
@@ -203,12 +219,14 @@ class Engine:
                              "model computes from the labels in the batch")
 
     def state_dict(self) -> dict:
+        self._usable("engine.state_dict")
         return self.strategy.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.strategy.load_state_dict(state)
 
     def full_state_dict(self) -> dict:
+        self._usable("engine.full_state_dict")
         return self.strategy.full_state_dict()
 
     def close(self) -> None:

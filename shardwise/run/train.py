@@ -185,11 +185,13 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     if data.kind == "tokens":   # after the summary: its gather is not the training's traffic
         _save_final(engine, out, main)   # every rank: gathering a sharded model is a collective
     summary["start_step"] = start
-    summary["checkpoint"] = checkpoint.store.latest(cfg.train.checkpoint_dir) \
-        if cfg.train.checkpoint_dir else None
     if cfg.memory.memory_report:      # every rank: the counterfactual forwards may communicate
         summary["memory_report"] = memreport.report(cfg, engine.strategy, x,
                                                     lambda v: _per_rank(rt, v))
+    if cfg.train.checkpoint_move_last and saved != done:   # last: the state goes into it
+        checkpoint.save(engine, cfg, done, move=True)
+    summary["checkpoint"] = checkpoint.store.latest(cfg.train.checkpoint_dir) \
+        if cfg.train.checkpoint_dir else None
     if main:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "summary.json"), "w") as fh:
@@ -205,12 +207,14 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
 
 def _checkpoint(engine: Engine, cfg: Config, done: int, last: bool, saved: int,
                 stop: DeferredStop) -> int:
-    """After step ``done``: save when it is due (every ``checkpoint_every``, the last step) or
-    when any rank was asked to stop (then stop: raises Stopped). Returns the last saved step."""
+    """After step ``done``: save when it is due (every ``checkpoint_every``, the last step:
+    with ``checkpoint_move_last`` train() moves that one after the final weights) or when any
+    rank was asked to stop (then stop: raises Stopped). Returns the last saved step."""
     if not cfg.train.checkpoint_dir:
         return saved
     every = cfg.train.checkpoint_every
-    if last or (every and done % every == 0):
+    moved_later = last and cfg.train.checkpoint_move_last   # train() moves it, at the very end
+    if (last and not moved_later) or (every and done % every == 0 and not moved_later):
         checkpoint.save(engine, cfg, done)
         saved = done
     signum = stop.agreed(engine.runtime.comm, engine.runtime.mesh.world)

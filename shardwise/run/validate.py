@@ -209,6 +209,14 @@ def _positive(cfg: Config) -> None:
         raise ConfigError("train.checkpoint_async", True, "with --offload disk each rank writes "
                           "its checkpoint straight from its offload files; a background save "
                           "would first copy that state into memory", "drop --checkpoint-async")
+    if cfg.train.checkpoint_move_last:
+        p = cfg.parallel
+        if cfg.memory.offload != "disk" or presets.zero_stage(cfg) == 0 or p.tp > 1 or p.pp > 1:
+            raise ConfigError("train.checkpoint_move_last", True, "moves a ZeRO run's disk "
+                              "offload files into its last checkpoint, and this run has none "
+                              f"(offload {cfg.memory.offload}, strategy {p.strategy}, tp {p.tp},"
+                              f" pp {p.pp})", "use it with --strategy zero1/2/3 --offload disk "
+                              "and no --tp / --pp, or drop --checkpoint-move-last")
 
 
 def _model(cfg: Config) -> None:

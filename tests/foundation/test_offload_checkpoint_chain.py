@@ -15,7 +15,10 @@ shards, and whole parameters gathered again after a load), each
     moments, 12 bytes a parameter, where they were 29.5);
   * exports (``shardwise checkpoint export``, one process) exactly the run's final.safetensors;
   * reshards: single, in this process, continues from it as single-process training does
-    (tests/reference.py's tolerance: the layouts sum gradients in another order).
+    (tests/reference.py's tolerance: the layouts sum gradients in another order);
+  * moves (``--checkpoint-move-last``, run C): the last checkpoint written while each offload
+    file's disk blocks are freed holds exactly what A's copied one holds, final.safetensors is
+    A's, and the engine refuses to go on from the freed state (one line naming the checkpoint).
 """
 import os
 import shutil
@@ -38,12 +41,12 @@ LAYOUTS = {   # name -> (strategy, memory)
 }
 
 
-def _cfg(root, strategy, name, memory=None, resume=False, steps=4):
+def _cfg(root, strategy, name, memory=None, resume=False, steps=4, move=False):
     cfg = tiny_config(strategy, steps=steps)
     return replace(cfg, memory=replace(cfg.memory, offload_dir=f"{root}/offload",
                                        **(memory or {})),
                    train=replace(cfg.train, checkpoint_dir=f"{root}/{name}", resume=resume,
-                                 checkpoint_every=2),
+                                 checkpoint_every=2, checkpoint_move_last=move),
                    logging=replace(cfg.logging, out_dir=root, run_name=name))
 
 
@@ -65,7 +68,15 @@ def _world(rank, world, root):
             store._write_atomic(f"{root}/{name}-b/{store.LATEST}", "step-2\n")
         dist.barrier()
         lb, pb = _train(_cfg(root, strategy, f"{name}-b", memory, resume=True))
-        out[name] = (la, pa, lb, pb)
+        summary = train(_cfg(root, strategy, f"{name}-c", memory, move=True),
+                        init_runtime(_cfg(root, strategy, f"{name}-c", memory)), quiet=True)
+        try:
+            summary["engine"].full_state_dict()
+            refused = ""
+        except RuntimeError as exc:
+            refused = str(exc)
+        summary["engine"].close()
+        out[name] = (la, pa, lb, pb, summary["losses"], refused)
     return out
 
 
@@ -78,7 +89,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_an_offloaded_run_resumes_exactly_from_its_pieces(runs, name):
     _, out = runs
-    la, pa, lb, pb = out[name]
+    la, pa, lb, pb = out[name][:4]
     assert lb == la[2:], f"{name}: resumed losses {lb} vs uninterrupted {la[2:]}"
     for key in pa:
         assert torch.equal(pa[key], pb[key]), f"{name}: {key} differs after the resume"
@@ -111,6 +122,71 @@ def test_the_checkpoint_is_each_ranks_boxes_of_the_layout_free_keys(runs, name, 
     assert exported.keys() == final.keys()
     for key in final:
         assert torch.equal(exported[key], final[key].to(exported[key].dtype)), key
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_last_checkpoint_moved_from_the_offload_files_equals_a_copied_one(runs, name):
+    root, out = runs
+    la, lc, refused = out[name][0], out[name][4], out[name][5]
+    assert lc == la
+    copied, moved = store.latest(f"{root}/{name}-a"), store.latest(f"{root}/{name}-c")
+    assert store.read_meta(moved)["step"] == 4
+    for prefix in ("model/", "optim/"):
+        a, c = dcp_io.read_tensors(copied, prefix), dcp_io.read_tensors(moved, prefix)
+        assert a.keys() == c.keys() and a, prefix
+        for key in a:
+            assert torch.equal(a[key], c[key]), f"{name}: {key} differs in the moved checkpoint"
+    final_a = load_file(f"{root}/{name}-a/{FINAL_WEIGHTS}")
+    final_c = load_file(f"{root}/{name}-c/{FINAL_WEIGHTS}")   # written before the move
+    for key in final_a:
+        assert torch.equal(final_a[key], final_c[key]), key
+    assert "moved into the checkpoint" in refused and "step-4" in refused, refused
+
+
+def test_discard_frees_the_file_where_release_keeps_it(tmp_path):
+    """OffloadStore.discard punches the file (reads zeros: the bytes are gone from the disk);
+    release only drops the pages (reads the data back)."""
+    from shardwise.memory.offload import OffloadStore
+    s = OffloadStore("disk", torch.device("cpu"), str(tmp_path))
+    kept, freed = s.zeros(1 << 16), s.zeros(1 << 16)
+    kept.fill_(3.0)
+    freed.fill_(3.0)
+    s.release([kept, freed])
+    s.drain()
+    s.discard([freed])
+    assert torch.all(kept == 3.0) and torch.all(freed == 0.0)
+    s.close()
+
+
+def test_a_move_discards_each_owner_once_after_its_last_box(tmp_path):
+    """dcp_io.save with ``discard``: every store tensor is discarded exactly once, and only
+    after the writer wrote all boxes in it, also when owners are views of one store tensor (as
+    Adam's states of a chunk's parameter groups are): each box's values are in the checkpoint,
+    none zeroed early."""
+    from shardwise.checkpoint.pieces import _split
+    from shardwise.comm.collectives import Group
+    base = torch.arange(0.0, 120.0)
+    owners = [base[:60], base[60:], torch.arange(200.0, 260.0)]   # 0 and 1 share a storage
+    pieces = []
+    for k, o in enumerate(owners):      # each owner: boxes of two tensors of different sizes
+        pieces += _split(f"model/w{k}", (6, 5), 0, 30, o[:30], o)
+        pieces += _split(f"model/v{k}", (30,), 0, 30, o[30:], o)
+    expect = [o.clone() for o in owners]
+    freed = []
+
+    def discard(ts):                    # what freeing the blocks does: the whole store tensor
+        for t in ts:
+            ptr = t.untyped_storage().data_ptr()
+            freed.append(ptr)
+            for o in owners:
+                if o.untyped_storage().data_ptr() == ptr:
+                    o.zero_()
+    dcp_io.save({}, str(tmp_path / "ck"), Group.solo(), pieces, None, discard)
+    assert sorted(freed) == sorted({o.untyped_storage().data_ptr() for o in owners})
+    back = dcp_io.read_tensors(str(tmp_path / "ck"), "model/")
+    for k in range(3):
+        assert torch.equal(back[f"w{k}"].reshape(-1), expect[k][:30]), k
+        assert torch.equal(back[f"v{k}"], expect[k][30:]), k
 
 
 def test_single_continues_from_an_offloaded_checkpoint(runs):

@@ -99,9 +99,11 @@ def checkpoint_parts(zero) -> dict | None:
 
     {"model": [(name, shape, lo, hi, values, owner)], "optim": [(name, key, shape, lo, hi,
     values, owner)], "model_whole": {name: tensor}, "optim_whole": {name: {key: tensor}},
-    "state": state_dict(streamed=True), "release": store.release}: ``values`` are this
-    rank's elements [lo, hi) of the flattened parameter ``name`` (``shape``), a view of
-    ``owner``, the store tensor they live in (its pages are dropped once they were read or
+    "state": state_dict(streamed=True), "release": store.release, "discard": store.discard,
+    "spare": [the store tensors no checkpoint holds: gradient shards, a 16-bit working copy]}
+    (a move, ``--checkpoint-move-last``, frees the spare first and each owner once written):
+    ``values`` are this rank's elements [lo, hi) of the flattened parameter ``name``
+    (``shape``), a view of ``owner``, the store tensor they live in (its pages are dropped once they were read or
     written: ``release([owner], written)``); the fp32 masters for the model, each element-wise
     optimizer state (Adam's exp_avg, exp_avg_sq) for the optimizer. The scalar states (Adam's
     step), the frozen parameters and the buffers are whole. The same function gives the
@@ -134,8 +136,12 @@ def checkpoint_parts(zero) -> dict | None:
     whole = {n: p.detach().float().cpu().clone() for n, p in zero.model.named_parameters()
              if not p.requires_grad}
     whole.update({n: b.detach().cpu().clone() for n, b in zero.model.named_buffers()})
+    masters = {c.master.data_ptr() for c in zero.chunks}
+    spare = [t for c in zero.chunks for t in (c.grad_shard, c.shard)    # not in a checkpoint
+             if t is not None and t.data_ptr() not in masters]
     return {"model": model, "optim": optim, "model_whole": whole, "optim_whole": optim_whole,
-            "state": state_dict(zero, streamed=True), "release": zero.store.release}
+            "state": state_dict(zero, streamed=True), "release": zero.store.release,
+            "discard": zero.store.discard, "spare": spare}
 
 
 @torch.no_grad()
