@@ -7,10 +7,14 @@ call) each call one of these; they read the chunks, the optimizer and the store 
 Partition: each rank saves and loads its own shards (``state_dict``); the gathered forms are
 whole on every rank. Collectives: ``full_state_dict`` / ``full_state_groups`` /
 ``canonical_optimizer_state`` all-gather each chunk's fp32 master or state over the shard group
-(meter ``zero_state_ag``; one object collective to agree on state names); the per-rank
+(meter ``zero_state_ag``; one object collective to agree on state names), except that under
+tensor parallelism ``full_state_groups`` goes a parameter at a time in one order every rank
+shares (an all-reduce of its bits over the shard group, then its tp all-gather:
+:func:`_tp_groups`, which says why that cannot deadlock); the per-rank
 checkpoint communicates nothing on save and, on load, stages 1-2 all-gather the loaded shards
 back into whole parameters (``zero_param_ag``). Memory: one whole chunk (per state) at a time on
-the device; the results on CPU. Traffic: (N-1)/N of the fp32 chunk per gathered tensor.
+the device (``full_state_groups`` under tp: one parameter); the results on CPU. Traffic: (N-1)/N
+of the fp32 chunk per gathered tensor.
 """
 from __future__ import annotations
 
@@ -37,12 +41,12 @@ def full_state_dict(zero) -> dict[str, torch.Tensor]:
     return zero._whole({n: out[n] for n, _ in zero.model.named_parameters()})
 
 
-def full_state_order(zero) -> list[tuple[str, tuple[int, ...]]] | None:
-    """(name, shape) of every parameter in the order :meth:`full_state_groups` yields
-    them (chunk by chunk, then the rest); None under tensor parallelism (its pieces are
-    gathered whole: full_state_dict)."""
+def full_state_order(zero) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, whole shape) of every parameter in the order :func:`full_state_groups` yields
+    them: chunk by chunk, then the rest; under tensor parallelism ``named_parameters``' order
+    (one parameter at a time: :func:`_tp_groups`), each split parameter's shape the whole one."""
     if getattr(zero, "plan", None) is not None:
-        return None
+        return [(n, zero.whole_shape(n, p)) for n, p in zero.model.named_parameters()]
     names = {p: n for n, p in zero.model.named_parameters()}
     order = [(names[p], tuple(p.shape)) for c in zero.chunks for p in c.params]
     seen = {n for n, _ in order}
@@ -53,7 +57,11 @@ def full_state_order(zero) -> list[tuple[str, tuple[int, ...]]] | None:
 def full_state_groups(zero):
     """full_state_dict a chunk at a time, as fp32 CPU tensors by name (a collective: every
     rank iterates it to the end, in the same order): the memory of one gathered chunk, not
-    of the whole model (a streamed final.safetensors)."""
+    of the whole model (a streamed final.safetensors). Under tensor parallelism a parameter
+    at a time instead (:func:`_tp_groups`)."""
+    if getattr(zero, "plan", None) is not None:
+        yield from _tp_groups(zero)
+        return
     zero.store.drain()
     names = {p: n for n, p in zero.model.named_parameters()}
     for c in zero.chunks:
@@ -67,6 +75,51 @@ def full_state_groups(zero):
     done = {names[p] for c in zero.chunks for p in c.params}
     yield {n: p.detach().float().cpu().clone() for n, p in zero.model.named_parameters()
            if n not in done}
+
+
+def _tp_groups(zero):
+    """ZeRO under tensor parallelism, one whole parameter per group, in ``named_parameters``'
+    order (the same names, trainable flags and splits on every rank of the world).
+
+    Why not chunk by chunk: the chunks are cut from each tp rank's own pieces (bucket sizes,
+    parameter groups), so tp rank 0's chunk k may hold other parameters than tp rank 1's and
+    the ranks may not even have as many chunks; a tp gather issued per chunk could then pair
+    different parameters, or wait forever. Here every rank runs, for each name in the one
+    order, (1) if it is trainable: one all-reduce of that parameter over the shard group
+    (:func:`_gathered`), (2) if the plan splits it: one all-gather of its pieces over the tp
+    group (TensorPlan.gather). Every rank issues the same steps in the same order and each
+    step's groups partition the world, so, step after step, every group's members all reach
+    it: no collective can wait on one that a member has not reached (no deadlock).
+    Memory: one whole parameter (plus the tp pieces and the collective's buffers), never a
+    chunk beside it nor the model. Traffic: 2(N-1)/N of the fp32 parameter over dp (an
+    all-reduce, where the chunk path all-gathers (N-1)/N), then the tp gather."""
+    zero.store.drain()                  # disk offload: every write finished (or raised)
+    where = {p: (c, i) for c in zero.chunks for i, p in enumerate(c.params)}
+    for n, p in zero.model.named_parameters():
+        if p in where:
+            c, i = where[p]
+            piece = _gathered(zero, c, i)
+            zero.store.release([c.master], written=False)   # disk: its pages dropped again
+        else:                           # frozen: every dp rank holds its tp piece whole
+            piece = p.detach().to(zero.device, torch.float32, copy=True)
+        # a split piece is gathered on the device; a replicated one is already whole
+        yield zero._whole({n: piece if n in zero.plan.specs else piece.cpu()})
+        del piece
+
+
+def _gathered(zero, c, i: int) -> torch.Tensor:
+    """Parameter ``i`` of chunk ``c``, whole over the shard group (this tp rank's piece of it;
+    fp32 on the compute device) from the masters: each rank writes the elements its master
+    shard holds into zeros and one all-reduce sums them (meter ``zero_state_ag``), as int32
+    bit patterns, so that x + 0 is x to the bit (an fp32 sum would make -0.0 +0.0)."""
+    offset, shape = c.layout.offsets[i], c.layout.shapes[i]
+    start, end = c.layout.shard_range(zero.group.rank)
+    lo, hi = max(start, offset), min(end, offset + shape.numel())
+    whole = torch.zeros(shape.numel(), dtype=torch.float32, device=zero.device)   # (numel,)
+    if lo < hi:                         # this rank's elements of the parameter
+        whole[lo - offset:hi - offset].copy_(c.master[lo - start:hi - start])
+    zero.comm.all_reduce(whole.view(torch.int32), zero.group, name="zero_state_ag")
+    return whole.view(shape)
 
 
 def state_dict(zero, streamed: bool = False) -> dict:
