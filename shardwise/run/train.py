@@ -231,9 +231,10 @@ def _checkpoint(engine: Engine, cfg: Config, done: int, last: bool, saved: int,
 def _save_final(engine: Engine, out: str, main: bool) -> None:
     """``final.safetensors`` in the run directory: the plain model's parameters by name after
     the last step (gathered from any layout), which ``shardwise generate`` samples from. Where
-    the strategy gathers a chunk at a time (ZeRO: ``full_state_order``), rank 0 streams the
-    file through checkpoint/export.py's writer, holding one chunk and one write group, never
-    the whole model; else the whole state is gathered and written at once."""
+    the strategy gathers a piece at a time (``full_state_order``: ZeRO a chunk at a time, ZeRO
+    x tp, tp and the plain layouts a parameter at a time, pipelines stage by stage), rank 0
+    streams the file through checkpoint/export.py's writer, holding one piece and one write
+    group, never the whole model; else the whole state is gathered and written at once."""
     order = getattr(engine.strategy, "full_state_order", lambda: None)()
     path = os.path.join(out, FINAL_WEIGHTS)
     if order is None:
