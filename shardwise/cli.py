@@ -125,7 +125,8 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     check_model_names(cfg)          # --freeze / --lora-targets against the model's names
     launch.check_restarts(cfg)      # --max-restarts needs --checkpoint-dir
     cfg = prelaunch.resume_after_restart(cfg)   # a world torchrun restarted continues from `latest`
-    check_checkpoint(cfg, world)    # --checkpoint-dir / --resume (shardwise/checkpoint/checks.py)
+    check_checkpoint(*replicas_checks.as_group(cfg, world))   # --checkpoint-dir / --resume
+    #                 (shardwise/checkpoint/checks.py; under --ft-replicas: a group's world)
     prelaunch.check_offload_room(cfg, world, launch.local_ranks())   # offload=disk: room for the state
     prelaunch.check_data_files(cfg)
     prelaunch.check_extras(cfg)

@@ -4,10 +4,16 @@ The launcher (launch/replicas.py) serves one TCPStore, the *lighthouse* (:func:`
 rank of every replica group is a client. Keys (n: a round, one per attempt at a step; g: a
 group id; r: a rank inside its group):
 
-    hb/g/r        heartbeat: rank r of group g adds 1 every HEARTBEAT_S (a thread of its own)
+    hb/g/r        heartbeat: rank r of group g adds 1 every HEARTBEAT_S (a thread of its own,
+                  started when the rank first registers for a round: a restarted rank that is
+                  still starting, or held back, beats nothing, so its group's old members are
+                  seen dead STALE_S after the kill rather than alive by the new process's beat)
     n/reg/g       how many of group g's ranks registered for round n (an atomic add)
     n/info/g      "step,synced,fresh" of group g in round n
-    n/decision    the round's decision, written once (compare_set): "members|synced|step|link"
+    n/stop        the signal a rank registering for round n was asked to stop by (set before
+                  its registration, so the proposer, who waits for the registrations, sees it)
+    n/decision    the round's decision, written once (compare_set):
+                  "members|synced|step|link|stop"
     n/vote/g/r    "1" when rank r of group g finished round n's cross-group reduction, "0" not
     latest        a recent round (a joining group starts looking there)
     done          set by a group that trained its last step
@@ -20,7 +26,9 @@ still starting), or ``bound`` seconds passed. ``compare_set`` keeps the first pr
 every rank reads that one: one decision per round, whoever wrote it. Members: every group whose
 ranks all registered; synced: the members that hold the training state (a restarted group
 does not); step: the synced members' step; link: n when the members differ from round n-1's
-or a member asks for a fresh link (after a failure, or joining), else round n-1's link.
+or a member asks for a fresh link (after a failure, or joining), else round n-1's link; stop:
+the signal any registered rank asked to stop by (0: none), so every member of the round stops
+at the same step boundary (parallel/replicas.py).
 
 Commit (:meth:`Quorum.vote`): after the cross-group reduction every rank of every member votes;
 the round commits only when all voted "1", so a peer that died mid-reduction makes every
@@ -48,16 +56,17 @@ class Decision:
     synced: tuple[int, ...]      # members that hold the training state
     step: int                    # the step the members take
     link: int                    # the round whose cross-group process group they use
+    stop: int = 0                # a signal: the members stop before this step (0: they train)
 
     def encode(self) -> str:
         return "|".join([",".join(map(str, self.members)), ",".join(map(str, self.synced)),
-                         str(self.step), str(self.link)])
+                         str(self.step), str(self.link), str(self.stop)])
 
     @staticmethod
     def decode(n: int, text: str) -> "Decision":
-        members, synced, step, link = text.split("|")
+        members, synced, step, link, stop = text.split("|")
         ids = lambda s: tuple(int(v) for v in s.split(",") if v)   # noqa: E731
-        return Decision(n, ids(members), ids(synced), int(step), int(link))
+        return Decision(n, ids(members), ids(synced), int(step), int(link), int(stop))
 
     @property
     def source(self) -> int:
@@ -65,14 +74,16 @@ class Decision:
         return min(self.synced) if self.synced else min(self.members)
 
 
-def propose(n: int, infos: dict[int, tuple[int, bool, bool]], prev: Decision | None) -> Decision:
-    """Round n's proposal from the fully registered groups' (step, synced, fresh)."""
+def propose(n: int, infos: dict[int, tuple[int, bool, bool]], prev: Decision | None,
+            stop: int = 0) -> Decision:
+    """Round n's proposal from the fully registered groups' (step, synced, fresh) and the
+    signal a registered rank asked to stop by (0: none)."""
     members = tuple(sorted(infos))
     synced = tuple(g for g in members if infos[g][1])
     steps = {infos[g][0] for g in (synced or members[:1])}
     step = min(steps)          # the synced groups are in lock-step: one value
     fresh = prev is None or prev.members != members or any(infos[g][2] for g in members)
-    return Decision(n, members, synced, step, n if fresh else prev.link)
+    return Decision(n, members, synced, step, n if fresh else prev.link, stop)
 
 
 def serve(host: str = "127.0.0.1") -> dist.TCPStore:
@@ -96,11 +107,17 @@ class Quorum:
         self._beat_store = self._client(host, int(port))   # the heartbeat thread's own client
         self._seen: dict[tuple[int, int], tuple[int, float]] = {}
         self._stop = threading.Event()
-        threading.Thread(target=self._heartbeat, daemon=True, name="ft-heartbeat").start()
+        self._beating = False
 
     def _client(self, host: str, port: int) -> dist.TCPStore:
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout),
                              use_libuv=True)
+
+    def _start_heartbeat(self) -> None:
+        """From this rank's first round on (module docstring): once."""
+        if not self._beating:
+            self._beating = True
+            threading.Thread(target=self._heartbeat, daemon=True, name="ft-heartbeat").start()
 
     def _heartbeat(self) -> None:
         key = f"hb/{self.group}/{self.rank}"
@@ -155,8 +172,13 @@ class Quorum:
         return n
 
     # -- one round ------------------------------------------------------------------------
-    def round(self, n: int, step: int, synced: bool, fresh: bool, bound: float) -> Decision:
-        """Register this rank for round n and return the round's decision (module docstring)."""
+    def round(self, n: int, step: int, synced: bool, fresh: bool, bound: float,
+              stop: int = 0) -> Decision:
+        """Register this rank for round n and return the round's decision (module docstring);
+        ``stop``: the signal this rank was asked to stop by (0: none)."""
+        self._start_heartbeat()
+        if stop:
+            self.store.set(f"{n}/stop", str(stop))
         self.store.set(f"{n}/info/{self.group}", f"{step},{int(synced)},{int(fresh)}")
         self.store.add(f"{n}/reg/{self.group}", 1)
         prev = self._decision(n - 1) if n > 0 else None
@@ -180,7 +202,8 @@ class Quorum:
         for g in full:
             step, synced, fresh = self.store.get(f"{n}/info/{g}").decode().split(",")
             infos[g] = (int(step), synced == "1", fresh == "1")
-        text = propose(n, infos, prev).encode()
+        stop = int(self.store.get(f"{n}/stop").decode()) if self._has(f"{n}/stop") else 0
+        text = propose(n, infos, prev, stop).encode()
         decided = self.store.compare_set(f"{n}/decision", "", text).decode()
         self.store.set("latest", str(n))
         return Decision.decode(n, decided)

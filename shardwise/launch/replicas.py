@@ -8,7 +8,11 @@ training. Each group writes into ``<run>/replica<G>`` (metrics, summary, final.s
 ft.jsonl: when it started, joined and which groups stepped with it). The environment names the
 store (SHARDWISE_FT_STORE) and the group (SHARDWISE_FT_GROUP). The launcher waits for every
 group, prints one line per group that failed, and exits with the worst code; Ctrl-C / SIGTERM
-go to every group (SIGTERM, then SIGKILL after ``stopping.GRACE_SECONDS``).
+go to every group (SIGTERM, then SIGKILL after ``stopping.GRACE_SECONDS``); with
+``--checkpoint-dir`` the groups agree on the stop in their next quorum (parallel/replicas.py), so
+all leave at one step boundary and the lowest-id live group saves that step's checkpoint (the
+only writer of the run's checkpoints: a resume starts every group from it). The launcher then
+prints one ``stopped at step N`` line.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import time
 
 from shardwise.comm.quorum import serve
 from shardwise.config import Config
-from shardwise.launch.torchrun import _ranks_env, torchrun_command
+from shardwise.launch.torchrun import _ranks_env, _StderrRelay, torchrun_command
 from shardwise.parallel.replicas_checks import ENV_GROUP, ENV_STORE
 from shardwise.run import stopping
 
@@ -49,17 +53,27 @@ def launch(cfg: Config, world: int, argv: list[str], run_dir: str, quiet: bool =
             print(f"launching {groups} replica groups of {per} rank(s), each: "
                   + " ".join(shlex.quote(c) for c in shown), flush=True)
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True,
+                                      stderr=subprocess.PIPE,
                                       preexec_fn=lambda: stopping.die_with_parent(signal.SIGKILL)))
-    return _wait(procs, store)
+    # each group's stderr passes through, and once a stop began goes to its launcher.log
+    # (torchrun's own report on the signal, each rank's goodbye): the person reads one line
+    relays = [_StderrRelay(p.stderr, os.path.join(group_folder(run_dir, g), "launcher.log"),
+                           divert_on_error=False) for g, p in enumerate(procs)]
+    try:
+        return _wait(procs, store, [group_folder(run_dir, g) for g in range(groups)], relays)
+    finally:
+        for relay in relays:
+            relay.join()
 
 
-def _wait(procs: list[subprocess.Popen], store) -> int:
+def _wait(procs: list[subprocess.Popen], store, folders: list[str], relays: list) -> int:
     got: list[int] = []
 
     def forward(signum, frame):
         if not got:
             got.append(signum)
-            for p in procs:
+            for p, relay in zip(procs, relays):
+                relay.divert()
                 _signal(p, signal.SIGTERM)
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     codes: dict[int, int] = {}
@@ -84,6 +98,9 @@ def _wait(procs: list[subprocess.Popen], store) -> int:
             signal.signal(s, h)
     del store          # the lighthouse ends with the groups
     if got:
+        marked = [f for f in folders if os.path.exists(os.path.join(f, stopping.MARKER))]
+        print(stopping.stop_line(marked[0] if marked else folders[0]), file=sys.stderr,
+              flush=True)
         return stopping.exit_code(got[0])
     return max(_code(c) for c in codes.values())
 

@@ -163,8 +163,9 @@ class Strategy(ActivationLedger, LossScaling, StrategyState):
     # models/init.py): a data-parallel component skips its start-up broadcast (compose.py)
     deterministic_start = False
     # --ft-replicas: the replica groups (parallel/replicas.py) whose reduce() a component's
-    # _finish_grad_sync calls on its reduced gradients; None without
-    replicas = None
+    # _finish_grad_sync calls once a step on its reduced gradients; None without. Not named
+    # ``replicas``: ZeRO's HSDP replica group and dp's model copies have that name
+    ft = None
 
     def __init__(self, cfg: Config, mesh: Mesh, comm: Comm, device: torch.device, loss_fn: LossFn):
         self.cfg, self.mesh, self.comm, self.device, self.loss_fn = cfg, mesh, comm, device, loss_fn

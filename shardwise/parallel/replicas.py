@@ -1,10 +1,13 @@
 """Replica groups that survive a lost rank (``--ft-replicas R``), after torchft's design.
 
-Partition: the data-parallel world is R replica groups, each a world of its own (its own
-torchrun, its own process group, its own layout inside: DDP today), all holding the whole
-training state. Each step the live groups agree on who takes part (the quorum, through the
-launcher's store: comm/quorum.py), train on equal shares of the step's global batch, and
-average their gradients over the live groups only.
+Partition: the data-parallel world is R replica groups of g ranks, each a world of its own
+(its own torchrun, its own process group, its own data-parallel layout inside: DDP, or ZeRO
+stage 1, 2 or 3 over its g ranks), all holding the whole training state between them: under
+DDP every rank holds all of it, under ZeRO in-group rank r holds shard r of it, the same shard
+indices in every group (the groups have equal sizes and layouts). Each step the live groups
+agree on who takes part (the quorum, through the launcher's store: comm/quorum.py), train on
+equal shares of the step's global batch, and average their gradients over the live groups
+only.
 
 Data rule: the global batch of step s is the one a run without ``--ft-replicas`` takes (a pure
 function of seed and step: data/sampler.py); with L live groups of g ranks each, the group at
@@ -12,20 +15,41 @@ position i among the members (sorted by id) and its dp rank d take rows (i*g + d
 slices. So every step trains on the whole global batch, whatever the live count: no batch is
 skipped or repeated, and the losses equal an uninterrupted run's up to the order of summation.
 
-Collectives, per step: the group's own gradient reduction (DDP's allreduce over its dp group),
-then, when two or more groups are live, one allreduce (sum) over the lane of this in-group rank
-(comm/replicas.py) of [the gradient buckets | this rank's loss], divided by L; then every rank
-of every member votes (comm/quorum.py), and the optimizer steps only when all succeeded. A peer
-lost mid-step makes the vote fail everywhere: the survivors form a new quorum for the same step
-and redo it on their new shares (no step is lost, none is applied twice). A synced group left
-out of a quorum (its heartbeat stopped for a while) leaves with an error; its launcher restarts
-it. A group that (re)starts joins at a step boundary: the lowest-id synced member sends it its
-whole state (the strategy's state dict and the RNG state) over the new link, and it continues
-from that member's step, so every replica's parameters are bit-identical afterwards.
+Collectives, per step: the group's own gradient reduction (DDP's allreduce over its dp group;
+ZeRO's reduce-scatter into this rank's 1/g gradient shards), then, when two or more groups are
+live, one allreduce (sum) over the lane of this in-group rank (comm/replicas.py) of [what that
+reduction left on this rank: DDP's whole gradient buckets, ZeRO's gradient shards | this rank's
+loss], divided by L. The component calls :meth:`ReplicaGroups.reduce` exactly once a step, in
+its ``_finish_grad_sync``, when those are final and before clipping, the fp16 verdict or the
+optimizer read them; so the norm clipping sees, and the optimizer steps on, the mean over all
+live groups. Then every rank of every member votes (comm/quorum.py), and the optimizer steps
+only when all succeeded. A peer lost mid-step makes the vote fail everywhere: ``reduce`` raises
+:class:`Redo` before the optimizer, the component drops the step's gradients
+(``strategy.zero_grad()``: no optimizer state touched, no reduction left in flight), and the
+survivors form a new quorum for the same step and redo it on their new shares (no step is lost,
+none is applied twice). A synced group left out of a quorum (its heartbeat stopped for a while)
+leaves with an error; its launcher restarts it. A group that (re)starts joins at a step
+boundary: the lowest-id synced member sends it its state over the new link, lane by lane (the
+strategy's state dict and the RNG state of in-group rank r go to in-group rank r: DDP's whole
+state, ZeRO's shard r of the masters and the optimizer state, whose load then all-gathers the
+whole parameters inside the joining group), and it continues from that member's step, so every
+replica's parameters are bit-identical afterwards. Whenever a decision builds a link or copies
+state, the ranks of each group agree (one allreduce, min, over the group) that every lane
+succeeded before anything is loaded, so a group never splits between two rounds.
 
-Memory: one flat fp32 copy of the gradients (the cross-group buffer) plus the serialised state
-while a join is served. Traffic per step: 2(L-1)/L x 4P bytes per rank over the lane, and
-the state (model + optimizer, about 12P bytes with Adam) once to each joining group.
+Checkpoints and stops (``--checkpoint-dir``): the lowest-id member of the step just taken
+writes the run's checkpoints (:meth:`ReplicaGroups.writes_checkpoints`; its own world saves as
+a run without groups would, so a ``--resume`` starts every group from it, each with its
+group's layout). A SIGINT / SIGTERM is only recorded (run/deferred_stop.py) and goes into the
+rank's next round (comm/quorum.py's ``n/stop``); the decision carries it, and every member
+raises :class:`StopAgreed` before that step instead of training: all groups leave at the same
+step boundary, and the lowest-id synced one saves that step's checkpoint first.
+
+Memory: one flat fp32 copy of what the lane reduces (4P under DDP, 4P/g under ZeRO: the
+cross-group buffer) plus the serialised state while a join is served. Traffic per step: 2(L-1)/L
+x 4P bytes per rank over the lane under DDP, 2(L-1)/L x 4P/g under ZeRO (each lane carries one
+shard), and the state (model + optimizer, about 12P bytes with Adam; 12P/g per lane under ZeRO)
+once to each joining group.
 
 Reference: torchft (PyTorch), "Fault Tolerance for Large Scale Training" (the quorum, the
 per-step commit, recovery from a live peer).
@@ -54,6 +78,16 @@ class Redo(RuntimeError):
     """The step's cross-group reduction did not commit on every member: take it again."""
 
 
+class StopAgreed(RuntimeError):
+    """The members agreed to stop before this step (a rank of some group was asked to stop by
+    ``signum``): every live group leaves at the same step boundary; ``writer``: this group is
+    the lowest-id one that holds the state, which saves the checkpoint of that step."""
+
+    def __init__(self, signum: int, writer: bool):
+        super().__init__(f"the replica groups stop by signal {signum}")
+        self.signum, self.writer = signum, writer
+
+
 class LeftOut(CollectiveError):
     """This synced group was left out of a quorum: it leaves, and its launcher restarts it."""
 
@@ -72,12 +106,12 @@ class ReplicaGroups:
         self.flat, self.loss = None, None
         self.kill_at, self.hold_until = self._kill_hook()
         self.pace = float(os.environ.get(ENV_PACE) or 0)
-        strategy.replicas = self          # the component's _finish_grad_sync calls reduce()
+        strategy.ft = self                # the component's _finish_grad_sync calls reduce()
 
     # -- joining --------------------------------------------------------------------------
     def join(self, start: int) -> int:
         """Rounds until this group is a member; take the source's state; return its step."""
-        self._event("start", step=start, restart=int(os.environ.get(
+        self._event("start", every=True, step=start, restart=int(os.environ.get(
             "TORCHELASTIC_RESTART_COUNT") or 0))
         while self.hold_until is not None and self.quorum.latest() < self.hold_until \
                 and not self.quorum.finished():
@@ -86,6 +120,8 @@ class ReplicaGroups:
         while True:
             d = self.quorum.round(self.n, start, synced=False, fresh=True, bound=self.timeout)
             self.n = d.round + 1
+            if d.stop:              # the others stop: nothing to join (no state to save)
+                raise StopAgreed(d.stop, writer=False)
             if self.group in d.members and self._use(d):
                 break
         self.synced, self.fresh, self.pending = True, False, d
@@ -93,13 +129,16 @@ class ReplicaGroups:
         return d.step
 
     # -- one step -------------------------------------------------------------------------
-    def train_step(self, step: int, batch) -> tuple[float, object, object]:
+    def train_step(self, step: int, batch, requested=None) -> tuple[float, object, object]:
         """One committed step on this rank's share: (global loss, x, y). ``batch(index,
-        count)`` gives this rank's rows of the step's global batch."""
+        count)`` gives this rank's rows of the step's global batch; ``requested()`` the signal
+        this rank was asked to stop by, or None (run/deferred_stop.py): it goes into the round,
+        and a round that any rank asked to stop raises StopAgreed on every member instead of
+        training (the same step boundary everywhere)."""
         self._hooks(step)
         began = time.monotonic()
         while True:
-            d = self._round(step)
+            d = self._round(step, (requested() if requested is not None else None) or 0)
             if d is None:
                 continue
             g = self.strategy.mesh.dp
@@ -109,24 +148,29 @@ class ReplicaGroups:
             try:
                 loss = self.strategy.train_step(x, y)
             except Redo:
-                self.strategy.zero_grad()
+                self.strategy.zero_grad()    # the step's gradients dropped, nothing in flight
                 self.fresh = True
                 continue
             break
         if self.pace:
             time.sleep(max(0.0, self.pace - (time.monotonic() - began)))
-        if g == 1 or len(d.members) == 1:
-            return (float(self.loss) if self.loss is not None else loss), x, y
-        return self.strategy.reduce_mean(self.loss), x, y
+        if len(d.members) == 1:     # the group's own mean is the global one
+            return loss, x, y
+        if g == 1:
+            return float(self.loss), x, y
+        return self.strategy.reduce_mean(self.loss), x, y    # the lanes' means, over the group
 
-    def _round(self, step: int) -> Decision | None:
+    def _round(self, step: int, stop: int) -> Decision | None:
         """This step's decision (the join's, or a new round); None: take another round."""
-        if self.pending is not None:
-            d, self.pending = self.pending, None
+        if self.pending is not None:   # the others train this step with us: a stop waits
+            d, self.pending = self.pending, None     # for the next round
             return d
         prev = self.current.members if self.current is not None else None
-        d = self.quorum.round(self.n, step, synced=True, fresh=self.fresh, bound=self.timeout)
+        d = self.quorum.round(self.n, step, synced=True, fresh=self.fresh, bound=self.timeout,
+                              stop=stop)
         self.n = d.round + 1
+        if d.stop:
+            raise StopAgreed(d.stop, writer=bool(d.synced) and self.group == min(d.synced))
         if self.group not in d.members:
             raise LeftOut("ft_quorum", RuntimeError(
                 f"replica group {self.group} was left out of the quorum at step {step} "
@@ -143,7 +187,11 @@ class ReplicaGroups:
 
     def _use(self, d: Decision) -> bool:
         """The decision's link (built when new) and the state copy to joining members;
-        False when a peer was lost meanwhile (take another round)."""
+        False when a peer was lost meanwhile (take another round). Every rank of this group
+        reaches the same answer: when anything was attempted they agree on it first."""
+        receivers = [m for m in d.members if m not in d.synced and m != d.source]
+        attempted = d.link != self.link_id or (receivers and self.group in (d.source, *receivers))
+        ok, state = True, None
         try:
             if d.link != self.link_id:
                 self.link, self.link_id = None, None
@@ -152,15 +200,27 @@ class ReplicaGroups:
                                             d.members.index(self.group), len(d.members),
                                             self.timeout, self.strategy.comm.meter)
                 self.link_id = d.link
-            receivers = [m for m in d.members if m not in d.synced and m != d.source]
             if self.group == d.source and receivers:
                 self.link.send_state(self._state(), [d.members.index(m) for m in receivers])
             elif self.group in receivers:
-                self._load(self.link.recv_state(d.members.index(d.source)))
+                state = self.link.recv_state(d.members.index(d.source))
         except RuntimeError:
+            ok = False
+        if attempted:
+            ok = self._agree(ok)
+        if not ok:
             self.link, self.link_id, self.fresh = None, None, True
             return False
+        if state is not None:
+            self._load(state)       # ZeRO: gathers the whole parameters inside this group
         return True
+
+    def _agree(self, ok: bool) -> bool:
+        """True when every rank of this group succeeded (one allreduce, min, over the group's
+        own world: a lane that failed sends the whole group to another round)."""
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.strategy.device)
+        self.strategy.comm.all_reduce(flag, self.strategy.mesh.world, op="min", name="ft_agree")
+        return bool(flag.item() > 0)
 
     def _state(self) -> dict:
         return {"strategy": self.strategy.state_dict(), "rng": torch.get_rng_state()}
@@ -172,8 +232,9 @@ class ReplicaGroups:
     # -- the cross-group reduction (the component's _finish_grad_sync calls it) -------------
     @torch.no_grad()
     def reduce(self, buffers: list[torch.Tensor]) -> None:
-        """Average this rank's reduced gradient ``buffers`` (and its loss) over the members'
-        lane, in place; raises Redo when any member's reduction failed."""
+        """Average this rank's reduced gradient ``buffers`` (DDP's buckets, ZeRO's gradient
+        shards; and its loss) over the members' lane, in place; raises Redo when any member's
+        reduction failed (the buffers are then unchanged)."""
         d = self.current
         local = self.strategy.local_loss
         if len(d.members) == 1:
@@ -196,6 +257,12 @@ class ReplicaGroups:
             b.copy_(v.view_as(b))
         self.loss = self.flat[-1].clone()
 
+    def writes_checkpoints(self) -> bool:
+        """Whether this group saves the run's checkpoints after the step just taken: the
+        lowest-id member of its round (every member holds the state once the step committed),
+        so exactly one group writes each one."""
+        return self.current is not None and self.group == min(self.current.members)
+
     # -- the end, hooks, events -----------------------------------------------------------
     def finish(self) -> None:
         """After the last step: a group still trying to join stops (comm/quorum.RunFinished)."""
@@ -216,14 +283,15 @@ class ReplicaGroups:
         if self.kill_at is not None and step == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)     # a real SIGKILL, as from outside
 
-    def _event(self, event: str, **fields) -> None:
-        """One line of ``ft.jsonl`` in the group's run folder (its rank 0)."""
-        if self.lane != 0:
+    def _event(self, event: str, every: bool = False, **fields) -> None:
+        """One line of ``ft.jsonl`` in the group's run folder: from its rank 0, or with
+        ``every`` (the start: each rank's pid) from each of its ranks (one short append each)."""
+        if self.lane != 0 and not every:
             return
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "ft.jsonl"), "a") as fh:
-            fh.write(json.dumps({"event": event, "group": self.group, "pid": os.getpid(),
-                                 "time": time.time(), **fields}) + "\n")
+            fh.write(json.dumps({"event": event, "group": self.group, "rank": self.lane,
+                                 "pid": os.getpid(), "time": time.time(), **fields}) + "\n")
 
 
 def attach(strategy, cfg, run_dir: str) -> ReplicaGroups | None:

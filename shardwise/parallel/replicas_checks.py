@@ -34,6 +34,17 @@ def group_config(cfg: Config) -> Config:
     return replace(cfg, parallel=replace(p, dp=p.dp // r, nproc_per_node=p.nproc_per_node // r))
 
 
+def as_group(cfg: Config, world: int) -> tuple[Config, int]:
+    """The config and world of one replica group, in the launcher as in a group's rank (its
+    checkpoint checks then see what each group will save and resume: a group's world)."""
+    r = cfg.parallel.ft_replicas
+    if r < 2 or in_group() is not None:
+        return cfg, world
+    p = cfg.parallel
+    return replace(cfg, parallel=replace(p, dp=p.dp // r, nproc_per_node=p.nproc_per_node // r)), \
+        world // r
+
+
 def _refuse(value, why: str, fix: str) -> None:
     raise ConfigError("parallel.ft_replicas", value, why, fix)
 
@@ -66,18 +77,26 @@ def check(cfg: Config, world_size: int, dp: int) -> None:
 
 
 def _not_built(cfg: Config, r: int) -> None:
-    """Layouts inside a group that replica groups do not serve yet (docs/checkpoints.md)."""
-    p = cfg.parallel
-    stage = zero_stage(cfg)
-    inside = [f"ZeRO-{stage}"] if stage > 0 else []
-    inside += [f"--{a} {getattr(p, a)}" for a in ("tp", "pp", "cp") if getattr(p, a) > 1]
-    if inside:
-        _refuse(r, f"replica groups of {' / '.join(inside)} are not built yet (DDP inside each "
-                "group is)", "use --strategy ddp, or drop --ft-replicas")
-    if cfg.memory.mixed_precision == "fp16":
+    """Layouts inside a group that replica groups do not serve yet (docs/checkpoints.md). DDP
+    and ZeRO stages 1-3 over the group's ranks are served (parallel/replicas.py)."""
+    p, m = cfg.parallel, cfg.memory
+    flags = {f"--{a.replace('_', '-')}": getattr(p, a) for a in ("tp", "pp", "cp")
+             if getattr(p, a) > 1}
+    flags.update({f"--{a.replace('_', '-')}": getattr(p, a) for a in ("dp_shard", "dp_replicate")
+                  if getattr(p, a)})       # HSDP inside a group
+    if flags:
+        _refuse(r, "replica groups of " + " / ".join(f"{f} {v}" for f, v in flags.items())
+                + " are not built yet (DDP or ZeRO-1/2/3 inside each group is)",
+                "drop " + " and ".join(flags) + ", or drop --ft-replicas")
+    if zero_stage(cfg) > 0 and (m.offload != "none" or m.offload_params):
+        _refuse(r, "replica groups of ZeRO with --offload / --offload-params are not built yet",
+                "use --offload none, or drop --ft-replicas")
+    if m.mixed_precision == "fp16":
         _refuse(r, "fp16's loss scaler skips steps per group, and the groups would diverge "
                 "(not built yet)", "use --mixed-precision bf16 or no")
-    if cfg.train.checkpoint_dir or cfg.train.resume:
-        _refuse(r, "a group rejoins from a live group's state, not from a checkpoint; saving "
-                "checkpoints under --ft-replicas is not built yet", "drop --checkpoint-dir "
-                "and --resume")
+    t = cfg.train
+    for name, value in (("checkpoint_async", t.checkpoint_async),
+                        ("checkpoint_move_last", t.checkpoint_move_last)):
+        if value:       # only the writer group would save: its timing is not built yet
+            _refuse(r, f"--{name.replace('_', '-')} under replica groups is not built yet",
+                    f"drop --{name.replace('_', '-')}")

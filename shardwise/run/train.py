@@ -18,7 +18,9 @@ shards, so every rank sees the same value and all stop together), so it adds no 
 With ``--ft-replicas`` (parallel/replicas.py) each step
 first takes a quorum of the live replica groups, trains on this group's share of the global
 batch and averages over the live groups, redone in a new quorum when a peer is lost; a
-restarted group joins before its first step with a live group's state and step.
+restarted group joins before its first step with a live group's state and step. Checkpoints
+are then written by the lowest-id live group only, and a stop is agreed in the quorum instead
+of over the world: every group leaves at the same step boundary, the writer saving that step.
 Per-rank figures (peak memory, bytes sent)
 are gathered to rank 0 with one small object collective per logged step (metered as 'objects',
 left out of the traffic figures).
@@ -43,7 +45,7 @@ from shardwise.comm.collectives import CollectiveError
 from shardwise.config import Config, to_dict
 from shardwise.data import build_data
 from shardwise.parallel.layout import describe
-from shardwise.parallel.replicas import attach as attach_replicas
+from shardwise.parallel.replicas import StopAgreed, attach as attach_replicas
 from shardwise.run import memreport
 from shardwise.config import rundir
 from shardwise.run import stopping
@@ -121,7 +123,10 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     start = checkpoint.restore(engine, plan)         # last: it also sets the RNG states
     ft = attach_replicas(engine.strategy, cfg, run_dir(cfg))   # --ft-replicas, else None
     if ft is not None:
-        start = ft.join(start)      # the live groups' step, with their state
+        try:
+            start = ft.join(start)      # the live groups' step, with their state
+        except StopAgreed as exc:       # the others stopped before this group rejoined
+            raise Stopped(exc.signum) from None
     index, count = engine.strategy.data_shard()
     items = cfg.train.batch_size * (cfg.model.block_size if data.kind == "tokens" else 1)
     out = run_dir(cfg)
@@ -147,7 +152,12 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
             if ft is None:
                 loss = engine.train_step(x, y)
             else:   # --ft-replicas: this step's quorum and share (parallel/replicas.py)
-                loss, x, y = ft.train_step(step, batch)
+                try:
+                    loss, x, y = ft.train_step(step, batch, lambda: stop.signum)
+                except StopAgreed as agreed:   # every live group stops before this step
+                    if cfg.train.checkpoint_dir and agreed.writer and saved != done:
+                        checkpoint.save(engine, cfg, done)
+                    stop.stop(agreed.signum)
             dt = time.perf_counter() - t0
             sent = rt.comm.meter.total().bytes_sent - sent0   # this step's training traffic only
             train_sent += sent
@@ -167,7 +177,7 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
                                   val if evaluated else None, rt))
                 window.reset()
             log.progress(loss, val[0])
-            saved = _checkpoint(engine, cfg, done, last, saved, stop)
+            saved = _checkpoint(engine, cfg, done, last, saved, stop, ft)
     except Stopped as exc:
         if main:
             stopping.write_marker(out, done, exc.signum)
@@ -206,17 +216,22 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
 
 
 def _checkpoint(engine: Engine, cfg: Config, done: int, last: bool, saved: int,
-                stop: DeferredStop) -> int:
+                stop: DeferredStop, ft=None) -> int:
     """After step ``done``: save when it is due (every ``checkpoint_every``, the last step:
     with ``checkpoint_move_last`` train() moves that one after the final weights) or when any
-    rank was asked to stop (then stop: raises Stopped). Returns the last saved step."""
+    rank was asked to stop (then stop: raises Stopped). Returns the last saved step. Under
+    ``--ft-replicas`` (``ft``) only the lowest-id live group saves, and the stop is agreed in
+    the next step's quorum instead (train()'s StopAgreed)."""
     if not cfg.train.checkpoint_dir:
         return saved
     every = cfg.train.checkpoint_every
     moved_later = last and cfg.train.checkpoint_move_last   # train() moves it, at the very end
-    if (last and not moved_later) or (every and done % every == 0 and not moved_later):
+    due = (last and not moved_later) or (every and done % every == 0 and not moved_later)
+    if due and (ft is None or ft.writes_checkpoints()):
         checkpoint.save(engine, cfg, done)
         saved = done
+    if ft is not None:
+        return saved
     signum = stop.agreed(engine.runtime.comm, engine.runtime.mesh.world)
     if signum:
         if saved != done:

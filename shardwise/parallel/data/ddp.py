@@ -42,6 +42,11 @@ set_to_none=True) zeroes the buckets in place instead of dropping the ``.grad`` 
 step pre-hook (torch.optim's ``register_step_pre_hook``) that finishes the reduction first, so
 ``engine.optimizer.step()`` equals ``engine.step()`` but for zeroing the gradients.
 
+Replica groups (``--ft-replicas``, parallel/replicas.py): ``_finish_grad_sync`` then averages
+the reduced buckets over the live groups through their hook (``self.ft``, once a step), whose
+failed vote raises Redo before the optimizer runs; :meth:`zero_grad` drops the step's gradients
+and the step is taken again.
+
 Reference: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
 VLDB 2020.
 """
@@ -166,8 +171,8 @@ class DDPStrategy(Strategy):
                     bucket.buffer.copy_(bucket.extra["low"])
             if n > 1:
                 bucket.buffer.div_(n)
-        if self.replicas is not None:    # --ft-replicas: then over the live replica groups
-            self.replicas.reduce([bucket.buffer for bucket in self.buckets.buckets])
+        if self.ft is not None:          # --ft-replicas: then over the live replica groups
+            self.ft.reduce([bucket.buffer for bucket in self.buckets.buckets])
         if self.find_unused:
             used = torch.tensor(self.buckets.used, dtype=torch.float32, device=self.device)
             self.comm.all_reduce(used, self.group, op="max", name="ddp_unused")

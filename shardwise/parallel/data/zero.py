@@ -73,6 +73,13 @@ on inf/nan, doubled after 1000 clean steps). Clipping (base.Strategy.clip_grad_n
 the gradient shards summed over the dp group; the coefficient is applied in fp32 as each master's
 gradient is formed. Meter names: ``zero_grad_rs``, ``zero_param_ag`` (training), ``zero_eval_ag``,
 ``zero_state_ag``, ``zero_overflow``, ``zero_clip``, ``zero_broadcast`` (start), ``zero_buffers``.
+
+Replica groups (``--ft-replicas``, parallel/replicas.py; its hook is ``self.ft``, apart from
+HSDP's ``self.replicas`` group): phase 1 ends by averaging this rank's gradient shards over the
+same in-group rank of every live group (once a step; 4K/N bytes through one allreduce), and a
+failed vote there raises Redo before anything else read them: :meth:`zero_grad` drops the step's
+gradients and the step is taken again. The join's state copy is :meth:`state_dict`, shard by
+shard (in-group rank r to in-group rank r).
 """
 from __future__ import annotations
 
@@ -170,6 +177,7 @@ class ZeroStrategy(Strategy):
         self._reducing: list[tuple] = []               # (chunk, work, temp, staging, mode, backend)
         self._gathers: list[tuple] = []                # stages 1-2: (work, backend) after the step
         self._next = 0                                 # stages 1-2: next bucket to launch
+        self._ft_reduced = False                       # --ft-replicas: shards averaged
 
     # -- set-up: chunks and the optimizer -------------------------------------------------
     def wrap(self, model, optimizer_factory) -> None:
@@ -465,6 +473,7 @@ class ZeroStrategy(Strategy):
         for c in self.chunks:
             c.grad_valid = False
         self._grad_coef = None
+        self._ft_reduced = False
         self._zero_grads()
         self._sync_buffers()
         self._finish_gathers()                     # 3
@@ -477,9 +486,32 @@ class ZeroStrategy(Strategy):
 
     # phase 1: every gradient shard reduced
     def _finish_grad_sync(self) -> None:
+        """Every reduce-scatter finished; under ``--ft-replicas`` the shards then averaged over
+        the live replica groups (once a step, before clipping, the fp16 verdict and the
+        optimizer read them: parallel/replicas.py), which raises Redo when a member failed."""
         self._check_all_ready()
         self._reduce_held()
         self._finish_reductions()             # idempotent: nothing left to wait for the 2nd time
+        if self.ft is not None and not self._ft_reduced:
+            self.ft.reduce([c.grad_shard for c in self.chunks])   # in-group rank r's shards
+            self._ft_reduced = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop this step's gradients before the optimizer saw them (``--ft-replicas``' Redo:
+        the same step is then taken again): reductions waited, staging buffers and gradient
+        shards dropped, no optimizer state or parameter touched. (``set_to_none`` is
+        accepted and ignored; ``optimizer.zero_grad`` stays the no-op of _build_optimizer.)"""
+        self._finish_reductions()
+        for c in self.chunks:
+            staging = c.extra.pop("staging", None)
+            if staging is not None:               # stages 2-3: the .grad views go with it
+                self.memory.release("staging", storage_bytes(staging))
+                for p in c.params:
+                    p.grad = None
+            c.extra.pop("views", None)
+            c.grad_valid = False
+        self._grad_coef, self._ft_reduced, self._next = None, False, 0
+        self._zero_grads()
 
     def _check_all_ready(self) -> None:
         """ZeRO reduces a chunk only when all its gradients arrived: a parameter that got none
