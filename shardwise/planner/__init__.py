@@ -11,9 +11,11 @@ else from shardwise, so it runs anywhere instantly::
 
 Formulas and sources: docs/planner.md. Modules: ``hardware`` / ``catalogue`` (the machine),
 ``model`` (the network's shape), ``layout`` (a layout, HSDP's and sequence parallelism's
-axes included, and a batch), ``memory``, ``comm``, ``offload`` (the disk's bytes per step) and
-``cost`` (the cost model), ``search`` and ``explain`` (ranking, the strategy guide, why HSDP or
-sequence parallelism, when only disk offload fits), ``report`` and ``cli`` (``shardwise plan``).
+axes included, and a batch), ``memory``, ``comm``, ``offload`` (the disk's bytes per step),
+``kernels`` and ``compute`` (a micro-batch's GEMMs and the kernels between them) and ``cost``
+(the cost model), ``search`` and ``explain`` (ranking, the strategy guide, why HSDP or
+sequence parallelism, when only disk offload fits), ``report`` and ``cli`` (``shardwise plan``);
+``published`` (the papers' runs, with table and row) and ``replay`` (them through the model).
 """
 from shardwise.planner.cost import Estimate, estimate
 from shardwise.planner.errors import PlanError

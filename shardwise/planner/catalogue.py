@@ -15,12 +15,15 @@ Factors (stated once, applied by hand in the table):
 
 ``efficiency`` is the fraction of the 16-bit dense peak that a large transformer layer's forward
 and backward kernels reach on the device, communication and pipeline idling excluded (the cost
-model adds those itself). Sources: on A100, Megatron-LM reaches 52% of peak end to end on 3072
-GPUs for a 1T model (Narayanan et al. 2021, Table 1) and Korthikanti et al. 2022 report 56% MFU,
-so the kernels alone reach at least that: 0.55. On V100, Megatron-LM (Shoeybi et al. 2019)
-reports 39 TFLOP/s on one GPU, 30% of 125: 0.30. H100 / H200: NVIDIA's published GPT-3 175B
-runs sit near 50%: 0.50. L4: no published training figure; 0.40 is a guess, stated as such.
-``cpu``: one CPU process, from the measurements in DESIGN.md; a calibration should replace it.
+model adds those itself). On A100 it is the GEMMs' rate alone, and ``activation_passes`` prices
+the memory-bound kernels between them (compute.py), so that a layer's rate grows with its width
+as the published runs show (about 43% of peak for Megatron-LM's 1.7B model, 52% for 22B, 65-74%
+from 175B up): both fitted to Korthikanti et al. 2022's iteration times (``A100_GEMM``). A single
+efficiency (0.55, before) put the wide models 30% slow and the narrow ones 24% fast. On V100,
+Megatron-LM (Shoeybi et al. 2019) reports 39 TFLOP/s on one GPU, 30% of 125: 0.30. H100 / H200:
+NVIDIA's published GPT-3 175B runs sit near 50%: 0.50. L4: no published training figure; 0.40
+is a guess, stated as such. ``cpu``: one CPU process, from the measurements in DESIGN.md; a
+calibration should replace it.
 """
 from __future__ import annotations
 
@@ -63,21 +66,33 @@ class Accelerator:
     a block's fixed cost is 150 us. Negligible for large models, dominant for tiny ones."""
     gemm_latency: float = 5e-6
     """Fixed seconds per GEMM call (kernels.py: the default curve ``max(F/R, B/W) + t0``)."""
+    activation_passes: float = 0.0
+    """Times a block's non-GEMM kernels move its activation bytes through HBM (compute.py); 0
+    where ``efficiency`` is a whole-layer rate (see the module docstring)."""
 
 
-def _gpu(name, mem, bf16, fp32, eff, hbm, nvlink, pcie_gen_bw):
+def _gpu(name, mem, bf16, fp32, eff, hbm, nvlink, pcie_gen_bw, passes=0.0):
     """A GPU entry from nominal figures: NVLink and PCIe scaled by the module's factors."""
     return Accelerator(name=name, memory_bytes=int(mem), peak_flops=bf16 * 1e12,
                        peak_flops_fp32=fp32 * 1e12, efficiency=eff, mem_bw=hbm * 1e9,
                        nvlink_bw=None if nvlink is None else 0.8 * nvlink * 1e9,
                        pcie_bw=0.4 * pcie_gen_bw * 1e9, host_bw=0.7 * pcie_gen_bw * 1e9,
-                       reserved_bytes=1 * GIB)
+                       reserved_bytes=1 * GIB, activation_passes=passes)
 
+
+A100_GEMM, A100_PASSES = 0.82, 9.5
+"""The A100's GEMM plateau (fraction of the 312 TFLOP/s peak) and its non-GEMM kernels' passes
+over a block's activation bytes (compute.py), fitted together by least squares (a grid of 0.01
+and 0.5) to the four full-recomputation iteration times of Korthikanti et al. 2022, Table 5
+(22B, 175B, 530B, 1T on 8-512 A100s: published.py), through the whole cost model (bubble,
+tensor-parallel allreduces and optimizer included); checked on the rows it was not fitted to
+(shardwise/bench/planner_published.py, docs/planner.md). 0.82 x 312 = 256 TFLOP/s, about what
+cuBLAS's large bf16 GEMMs reach on an A100."""
 
 ACCELERATORS: tuple[Accelerator, ...] = (
-    #    name          memory        bf16  fp32  eff   HBM GB/s NVLink/dir PCIe x16/dir
-    _gpu("a100-40gb", 40 * GIB, 312, 19.5, 0.55, 1555, 300, 32),
-    _gpu("a100-80gb", 80 * GIB, 312, 19.5, 0.55, 2039, 300, 32),
+    #    name          memory        bf16  fp32  eff   HBM GB/s NVLink/dir PCIe x16/dir passes
+    _gpu("a100-40gb", 40 * GIB, 312, 19.5, A100_GEMM, 1555, 300, 32, A100_PASSES),
+    _gpu("a100-80gb", 80 * GIB, 312, 19.5, A100_GEMM, 2039, 300, 32, A100_PASSES),
     _gpu("h100-80gb", 80 * GIB, 989, 67, 0.50, 3350, 450, 64),
     _gpu("h200", 143771 * MIB, 989, 67, 0.50, 4800, 450, 64),
     _gpu("v100", 32 * GIB, 125, 15.7, 0.30, 900, 150, 16),

@@ -26,6 +26,8 @@ m micro-batches, b micro-batch size):
 - ZeRO-2: the reduce-scatter every micro-batch (gradients are not kept whole), the all-gather
   once; ZeRO-3: per micro-batch two all-gathers of the weights (forward, backward) and one
   reduce-scatter: 1.5x DDP's volume (ZeRO paper, section 7), one message per unit (block);
+  across nodes at each device's adapter share and exposed (:func:`zero3_across_nodes`: what
+  the published ZeRO-3 runs at 384-2240 GPUs show);
 - TP (Megatron, Shoeybi et al. 2019): per block and micro-batch 2 allreduces of ``b s h``
   activations in forward and 2 in backward, 2 more in the recomputed forward (the same volume
   as all-gather + reduce-scatter with sequence parallelism); the vocabulary-parallel embedding
@@ -95,6 +97,9 @@ class DataParallelTraffic:
     across_replicas: float = 0.0
     """HSDP: the part of each reduce-scatter's time (``per_microbatch_rs`` or, under ZeRO-1,
     ``last_backward``) spent averaging the shard across replica groups."""
+    exposed: bool = False
+    """ZeRO-3 whose shard group spans nodes: its gathers and reduce-scatters are on the
+    critical path, none hidden behind compute (:func:`zero3_across_nodes`)."""
 
 
 def dp_collective(kind: str, k: float, layout: Layout, hw: Hardware, messages: int) -> float:
@@ -144,6 +149,33 @@ def group_collective(kind: str, k: float, n: int, stride: int, hw: Hardware,
     return min(flat, (2 if kind == "ar" else 1) * intra + across + calls)
 
 
+def spans_nodes(layout: Layout, hw: Hardware) -> bool:
+    """Whether the ZeRO shard group (``dp_shard`` ranks ``tp`` apart) leaves one node."""
+    return layout.dp_shard * layout.tp > hw.devices_per_node
+
+
+def zero3_across_nodes(k: float, layout: Layout, hw: Hardware, messages: int) -> float:
+    """A ZeRO-3 all-gather or reduce-scatter of ``k`` bytes over a shard group spanning nodes:
+    a flat ring at each device's own share of its node's network (``inter_bw / G``), every
+    unit a message, exposed (``DataParallelTraffic.exposed``).
+
+    Why, from the published runs (Narayanan et al. 2021, Table 2: ZeRO-3 without model
+    parallelism, 175B on 384-1536 and 530B on 640-2240 A100s, DGX nodes with 8 x 200 Gb/s):
+    doubling the GPUs at a fixed batch leaves the step time unchanged (175B 768 -> 1536, 530B
+    1120 -> 2240), so the step is bound by bandwidth, not latency (a ring moves (N-1)/N of the
+    bytes per rank whatever N); the rate this implies is about one 200 Gb/s adapter per GPU
+    (16-23 GB/s for ZeRO's 3 x 2P bytes, against the 22.5 effective here), not the node's eight
+    that staging through NVLink could use (:func:`group_collective`'s hierarchical path); and at
+    the smallest counts (384, 640), where that traffic is shorter than the compute, the step is
+    still longer than the compute by about the traffic: it was not hidden. Charging it so puts
+    all six rows within 20% (docs/planner.md, "Published runs"); the ideal (staged, prefetched)
+    collectives put the throughput 1.2-4x too high. A runtime that does better across nodes
+    (rings staged per node, one unit of prefetch: FSDP) is then estimated conservatively."""
+    bw = min(hw.intra_bw, hw.inter_bw / hw.devices_per_node)
+    calls = messages * hw.collective_overhead
+    return reduce_scatter_time(k, layout.dp_shard, bw, hw.inter_latency, messages) + calls
+
+
 def dp_traffic(layout: Layout, p_dev: float, hw: Hardware, batch: Batch,
                units: int = 1) -> DataParallelTraffic:
     """Seconds each dp collective of ``layout`` takes, for ``p_dev`` parameters per device.
@@ -167,6 +199,10 @@ def dp_traffic(layout: Layout, p_dev: float, hw: Hardware, batch: Batch,
         return DataParallelTraffic(0.0, 0.0, rs, ag, across)
     if layout.zero == 2:
         return DataParallelTraffic(rs, 0.0, 0.0, ag, across)
+    if spans_nodes(layout, hw):
+        rs = zero3_across_nodes(grads, layout, hw, messages) + across
+        ag = zero3_across_nodes(weights, layout, hw, messages)
+        return DataParallelTraffic(rs, 2 * ag, 0.0, 0.0, across, exposed=True)
     return DataParallelTraffic(rs, 2 * ag, 0.0, 0.0, across)
 
 

@@ -5,10 +5,12 @@ A step is ``m`` micro-batches per replica. Each micro-batch costs one slot on ev
     slot = compute + tensor-parallel allreduces + pipeline sends + un-overlapped ZeRO-2/3 traffic
     step = (m + pp - 1) * slot + dp sync left exposed + optimizer + offload + parameter server
 
-Compute is the busiest stage's share of ``6 P + 12 L s h`` FLOPs per token (block terms
-x 4/3 with full recomputation, + 4 s h with selective; ``ModelSpec.block_flops``) at
+Compute (compute.py) is the busiest stage's share of ``6 P + 12 L s h`` FLOPs per token (block
+terms x 4/3 with full recomputation, + 4 s h with selective; ``ModelSpec.block_flops``) at
 ``peak x efficiency``, slowed where the block's GEMMs are small (kernels.py: ``max(F/R, B/W) +
-gemm_latency`` per GEMM), plus a fixed ``block_overhead`` per block and micro-batch. The
+gemm_latency`` per GEMM), plus the memory-bound kernels between the GEMMs
+(``activation_passes`` over the block's activation bytes) and a fixed ``block_overhead`` per
+block and micro-batch. The
 pipeline bubble is ``(pp - 1) / (m + pp - 1)`` of the pipeline time (GPipe and 1F1B alike;
 interleaved 1F1B and ZB-H1 idle (pp-1)/v and (pp-1)/3 slots instead: ``layout.bubble_slots``).
 Where ranks share cores (``Hardware.compute_lanes``, CPU) the bubble's idle slots are partly
@@ -17,8 +19,9 @@ absorbed: ``_pipeline_seconds``.
 What overlaps with what (the only judgement calls): DDP's allreduce and ZeRO-1's
 reduce-scatter run during the last micro-batch's backward; ZeRO-2's reduce-scatter during each
 micro-batch's backward; ZeRO-3's gathers unit by unit, each behind the previous unit's
-compute (one unit of prefetch; the first is exposed); a forward is 1/3 of a micro-batch's
-compute (1/4 with full recomputation). With a pipeline the dp sync
+compute (one unit of prefetch; the first is exposed), except across nodes, where none is
+hidden (comm.zero3_across_nodes: what the published runs at 384-2,240 GPUs show); a forward is
+1/3 of a micro-batch's compute (1/4 with full recomputation). With a pipeline the dp sync
 runs after the flush, exposed (Megatron-LM 2021). Tensor-parallel allreduces, pipeline sends,
 offload copies and parameter-server traffic are never overlapped. ``Hardware.comm_overlap``
 scales what compute can hide (1 on accelerators; a CPU calibration sets 0, since there the
@@ -32,7 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.config.names import Axis, Strategy
-from shardwise.planner import comm, kernels, offload
+from shardwise.planner import comm, offload
+from shardwise.planner.compute import microbatch_seconds
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Batch, Layout, bubble_slots
@@ -135,23 +139,6 @@ def _check(layout: Layout, model: ModelSpec, hw: Hardware) -> None:
                         "heads over cp, which does not divide them", "ring, or another cp")
 
 
-def _microbatch_seconds(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> float:
-    """Compute seconds of one micro-batch on the busiest stage's device: FLOPs at the
-    sustained rate, slowed by the GEMM-size curve (kernels.py), plus the fixed per-block
-    overhead (x 4/3 when the forward runs twice)."""
-    block = model.block_flops(layout.recompute)
-    first = layers_on_stage(model, layout.pp, 0) * block
-    last = layers_on_stage(model, layout.pp, layout.pp - 1) * block + model.head_flops
-    per_token = max(first, last) if layout.pp > 1 else first + model.head_flops
-    flops = per_token * layout.micro_batch * model.seq_len / layout.tp / layout.cp
-    rate = hw.flops(batch.precision)
-    gemms = kernels.block_gemms(model.hidden, model.heads, model.ffn,
-                                max(1, model.seq_len // layout.cp), layout.micro_batch, layout.tp)
-    slow = kernels.slowdown(gemms, rate, hw.mem_bw, hw.gemm_latency, 2 if batch.mixed else 4)
-    overhead = layers_on_stage(model, layout.pp, 0) * hw.block_overhead
-    return flops / rate * slow + overhead * (4 / 3 if layout.act_ckpt else 1)
-
-
 def optimizer_bytes(batch: Batch) -> float:
     """Bytes the optimizer step reads and writes per parameter: the weights (master copy under
     mixed precision) and the optimizer states read and written, the gradient read, and the
@@ -202,7 +189,7 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
     mem = memory(layout, model, hw, batch)
     m = layout.microbatches(batch.global_batch)
     p_dev = max(stage_params(model, layout.pp, s) for s in {0, layout.pp - 1}) / layout.tp
-    t_mb = _microbatch_seconds(layout, model, hw, batch)
+    t_mb = microbatch_seconds(layout, model, hw, batch)
     fwd = t_mb / (4 if layout.act_ckpt else 3)
     bwd = t_mb - fwd
     units = layers_on_stage(model, layout.pp, 0)
@@ -267,9 +254,12 @@ def _exposed_per_microbatch(dp: comm.DataParallelTraffic, fwd: float, bwd: float
     computes, so a pass exposes the first unit's gather in full and, for every other unit,
     whatever of its gather its predecessor's compute does not cover; the backward does the same
     with gather + reduce-scatter per unit, and the last unit's reduce-scatter is exposed.
-    ZeRO-2's reduce-scatter (no gathers) hides behind the backward as a whole."""
+    ZeRO-2's reduce-scatter (no gathers) hides behind the backward as a whole. ZeRO-3 whose
+    shard group spans nodes hides nothing (``DataParallelTraffic.exposed``)."""
     if dp.per_microbatch_ag == 0:
         return max(0.0, dp.per_microbatch_rs - bwd)
+    if dp.exposed:                          # ZeRO-3 across nodes (comm.zero3_across_nodes)
+        return dp.per_microbatch_ag + dp.per_microbatch_rs
     n = max(1, units)
     gather, rs = dp.per_microbatch_ag / 2 / n, dp.per_microbatch_rs / n
     forward = gather + (n - 1) * max(0.0, gather - fwd / n)

@@ -46,6 +46,11 @@ class Hardware:
     gemm_latency: float = 0.0
     """Fixed seconds per GEMM call beyond its FLOPs and bytes (kernels.py's curve; 0 when the
     rate was measured on whole blocks, as a calibration does)."""
+    activation_passes: float = 0.0
+    """Times the non-GEMM kernels of a block (norms, softmax, dropout, GeLU, bias and residual
+    adds) move its activation bytes through device memory in a forward and backward
+    (compute.py); 0 when ``efficiency`` is a whole-block rate that includes them (a
+    calibration's, a custom machine's)."""
     comm_overlap: float = 1.0
     """Fraction of compute time that data-parallel traffic can hide behind: 1 where NICs and
     copy engines move the bytes (GPUs), 0 where collectives and compute share the same cores
@@ -199,7 +204,8 @@ class Hardware:
                  inter_bw=net.bandwidth,
                  inter_latency=net.latency, reserved_bytes=acc.reserved_bytes,
                  host_bw=acc.host_bw, block_overhead=acc.block_overhead,
-                 gemm_latency=acc.gemm_latency, name=acc.name,
+                 gemm_latency=acc.gemm_latency, activation_passes=acc.activation_passes,
+                 name=acc.name,
                  interconnect=link, network=net.name)
         return replace(hw, **overrides) if overrides else hw
 

@@ -50,8 +50,10 @@ def test_bubble_is_p_minus_1_over_m_plus_p_minus_1():
 
 def test_data_parallel_compute_is_flops_over_sustained_peak():
     model = PRESETS["7B"]
-    # No GEMM latency and ample bandwidth: every GEMM runs at the sustained rate (kernels.py).
-    hw = replace(small_machine(), gemm_latency=0.0, mem_bw=1e15)
+    # No GEMM latency and ample bandwidth: every GEMM runs at the sustained rate (kernels.py);
+    # no non-GEMM kernel time (compute.py's activation passes; tests/planner/
+    # test_planner_published.py checks that term).
+    hw = replace(small_machine(), gemm_latency=0.0, mem_bw=1e15, activation_passes=0.0)
     batch = Batch(64)
     e = estimate(Layout(dp=8, zero=3), model, hw, batch)
     tokens = batch.global_batch * model.seq_len

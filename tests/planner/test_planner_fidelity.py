@@ -53,8 +53,11 @@ def test_gemm_curve_and_its_fit():
 
 
 def test_small_layers_run_below_the_plateau():
-    """The same tokens through gpt-tiny's thin GEMMs take longer per FLOP than through 7B's."""
-    hw = Hardware.from_catalogue("a100-80gb", devices_per_node=1)
+    """The same tokens through gpt-tiny's thin GEMMs take longer per FLOP than through 7B's
+    (the GEMM curve alone: without compute.py's non-GEMM kernels, which the published-runs
+    test checks)."""
+    from dataclasses import replace
+    hw = replace(Hardware.from_catalogue("a100-80gb", devices_per_node=1), activation_passes=0.0)
     per_flop = {}
     for name in ("gpt-tiny", "7B"):
         m = PRESETS[name]
@@ -62,7 +65,7 @@ def test_small_layers_run_below_the_plateau():
         per_flop[name] = (e.compute_s - m.layers * hw.block_overhead) / (
             m.flops_per_token() * m.seq_len)
     assert per_flop["gpt-tiny"] > 2 * per_flop["7B"]
-    assert per_flop["7B"] == pytest.approx(1 / hw.flops("bf16"), rel=0.05)
+    assert per_flop["7B"] * hw.flops("bf16") == pytest.approx(1, rel=0.05)
 
 
 def test_hierarchical_allreduce_across_nodes():
