@@ -117,11 +117,13 @@ class RssSampler:
 
 
 def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4,
-         memory: dict | None = None) -> dict:
+         memory: dict | None = None, init: str = "eager") -> dict:
     """Train ``kind`` for ``steps``; this rank's baseline, peak RSS, ledger and tokens/s.
     ``memory``: MemoryConfig fields for ours (e.g. offload); ``peak_prepare`` is the resident
     high-water mark when the model is built and prepared, ``peak_train`` the largest resident
-    memory sampled while it trains (:class:`RssSampler`)."""
+    memory sampled while it trains (:class:`RssSampler`). ``init``: how ours builds the model
+    ("meta": as ``shardwise train`` does by default, each rank materialising only what it
+    keeps; "eager": whole on every rank first, as torch's sides do)."""
     _returning_malloc()
     from dataclasses import replace
     from shardwise.bench.harness import threads_for, timed_steps
@@ -136,7 +138,7 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4,
     data = build_data(cfg)
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
     baseline = _rss_now()
-    model = build_model(cfg.model, cfg.train.seed)
+    model = build_model(cfg.model, cfg.train.seed, init=init if ours else "eager")
     params = sum(p.numel() for p in model.parameters())
     ledger, per = None, batch // world
     state = {"step": 0}

@@ -132,14 +132,17 @@ def zero3_memory(rank, world, **args):
 def zero3_offload_params_memory(rank, world, offload="disk", **args):
     """ZeRO-3 at 57M with parameters, gradients, masters and Adam states offloaded
     (``--offload disk --offload-params``); ``extra`` adds what the row's goal is about: the
-    bytes offloaded (the ledger's ``on_disk``) and the peaks of prepare and of training."""
+    bytes offloaded (the ledger's ``on_disk``) and the peaks of prepare and of training. Built
+    on the meta device (``shardwise train``'s default), so prepare holds one unit at a time."""
     out = _memory_side(Strategy.ZERO3, rank, world, memory={"offload": offload,
-                                                     "offload_params": True}, **args)
+                                                     "offload_params": True}, init="meta",
+                       **args)
     return _phases(out)
 
 
 def zero3_memory_phases(rank, world, **args):
-    return _phases(_memory_side(Strategy.ZERO3, rank, world, **args))
+    """ZeRO-3 at 57M without offload, built on the meta device as its offloaded side is."""
+    return _phases(_memory_side(Strategy.ZERO3, rank, world, init="meta", **args))
 
 
 def _phases(out: dict) -> dict:
