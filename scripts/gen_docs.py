@@ -26,6 +26,7 @@ and KIND is one of:
     bubble FILE             the mp-bubble row: measured idle fraction against each formula
     planner-steps FILE      planner_validation.json: predicted vs measured states and step time
     planner-categories FILE the same file, per memory category
+    offload-row FILE        the ZeRO-Infinity row: throughput, peak RSS fallen vs bytes offloaded
 
 A measured figure inside a sentence is an inline value, one number from one JSON file:
 
@@ -224,6 +225,29 @@ def planner_categories(path: str) -> str:
     return "\n".join(out) + "\n\n" + provenance(path)
 
 
+def offload_row(path: str) -> str:
+    """The ZeRO-Infinity row at 57M (issue 30's goal): throughput, and how far peak RSS fell
+    against the bytes offloaded, from the row's own JSON (both sides' medians, the fullest rank)."""
+    d = _load(path)
+    ours, peer = d["ours"], d["peer_result"]
+    mib = lambda b: f"{b / 2**20:,.0f} MiB"
+    drop = peer["peak_rss_max_rank"] - ours["peak_rss_max_rank"]
+    off = ours["extra"]["offloaded"]
+    rows = ["| figure | offloaded (disk) | not offloaded |", "|---|---:|---:|",
+            f"| tokens/s | {ours['items_per_s']:,.1f} | {peer['items_per_s']:,.1f} |",
+            f"| peak RSS, fullest rank (training) | {mib(ours['peak_rss_max_rank'])} | "
+            f"{mib(peer['peak_rss_max_rank'])} |",
+            f"| peak RSS of prepare | {mib(ours['extra']['peak_prepare'])} | "
+            f"{mib(peer['extra']['peak_prepare'])} |",
+            f"| ledger on disk / in memory at the peak | {mib(off)} / "
+            f"{mib(sum(v for k, v in ours['extra']['ledger_at_peak'].items() if k != 'on_disk'))} | "
+            f"0 / {mib(sum(v for k, v in peer['extra']['ledger_at_peak'].items() if k != 'on_disk'))} |",
+            "",
+            f"Throughput {d['throughput_ratio']:.3f}x no offload (goal >= 0.85); peak RSS "
+            f"{mib(drop)} lower, {drop / off:.2f}x the {mib(off)} offloaded (goal >= 0.9x)."]
+    return "\n".join(rows) + "\n\n" + provenance(path)
+
+
 def cli_reference() -> str:
     """Each command's usage and options, as ``--help`` prints them (one source)."""
     from shardwise import cli
@@ -247,7 +271,7 @@ KINDS = {"bench-table": bench_table, "bench-provenance": bench_provenance,
          "gpu-table": gpu_tables, "gpu-summary": gpu_summary, "generate-speed": generate_speed,
          "cli-reference": cli_reference, "bench-rows": bench_rows, "json-table": json_table,
          "ps-rows": ps_rows, "bubble": bubble, "planner-steps": planner_steps,
-         "planner-categories": planner_categories}
+         "planner-categories": planner_categories, "offload-row": offload_row}
 
 
 VALUE = re.compile(r"(<!-- value: (?P<spec>[^>]*?) -->)(?P<body>[^<\n]*)(<!-- /value -->)")
