@@ -10,7 +10,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 from dataclasses import replace
 
@@ -60,24 +59,31 @@ def reference(tmp_path_factory):
 
 
 def _stopped_run(rank, world, root, background):
-    """SIGTERM to this process once 2 steps are logged; then resume in a fresh engine.
+    """SIGTERM to this process as its third step begins; then resume in a fresh engine.
     ``background``: save every step with --checkpoint-async, so the stop lands while the save
     of its own step may still be in the writer thread (the stop must wait for it)."""
     name = "sig-async" if background else "sig"
     cfg = _cfg(root, f"{root}/{name}", name, every=1 if background else 0)
     cfg = replace(cfg, train=replace(cfg.train, checkpoint_async=background))
-    metrics = os.path.join(root, name, "metrics.jsonl")
+    # the signal is sent from the training thread itself as step 3 begins (a watcher thread
+    # polling metrics.jsonl was starved on a loaded machine until after the last step)
+    from shardwise.run.api import Engine
+    step_of = Engine.train_step
+    calls = [0]
 
-    def watch():
-        while not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 2):
-            time.sleep(0.002)
-        os.kill(os.getpid(), signal.SIGTERM)
-    threading.Thread(target=watch, daemon=True).start()
+    def train_step(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step_of(self, *a, **k)
+    Engine.train_step = train_step          # a forked child: the parent's class is untouched
     try:
         train(cfg, init_runtime(cfg), quiet=True)
         return None                        # finished before the signal landed
     except Stopped:
         pass
+    finally:
+        Engine.train_step = step_of         # the resumed run below is not stopped
     stopped_at = json.load(open(os.path.join(root, name, "stopped.json")))["step"]
     saved = store.read_meta(store.latest(f"{root}/{name}"))["step"]
     resumed = replace(cfg, train=replace(cfg.train, resume=True),
