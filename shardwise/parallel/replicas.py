@@ -1,41 +1,56 @@
 """Replica groups that survive a lost rank (``--ft-replicas R``), after torchft's design.
 
-Partition: the data-parallel world is R replica groups of g ranks, each a world of its own
-(its own torchrun, its own process group, its own data-parallel layout inside: DDP, or ZeRO
-stage 1, 2 or 3 over its g ranks), all holding the whole training state between them: under
-DDP every rank holds all of it, under ZeRO in-group rank r holds shard r of it, the same shard
-indices in every group (the groups have equal sizes and layouts). Each step the live groups
+Partition: the data-parallel world is R replica groups, each a world of its own (its own
+torchrun, its own process group, its own layout inside: DDP, or ZeRO stage 1, 2 or 3 over its
+g dp ranks, optionally with tensor parallelism over tp and a pipeline over pp: the same mesh
+in every group), all holding the whole training state between them: in-group rank r holds
+the same part of it in every group (its stage, its tp slice, and under ZeRO its shard of
+those; under plain DDP with tp = pp = 1 all of it), since the groups have equal sizes and
+layouts. Each step the live groups
 agree on who takes part (the quorum, through the launcher's store: comm/quorum.py), train on
 equal shares of the step's global batch, and average their gradients over the live groups
 only.
 
 Data rule: the global batch of step s is the one a run without ``--ft-replicas`` takes (a pure
-function of seed and step: data/sampler.py); with L live groups of g ranks each, the group at
+function of seed and step: data/sampler.py); with L live groups of g dp ranks each, the group at
 position i among the members (sorted by id) and its dp rank d take rows (i*g + d) of L*g equal
-slices. So every step trains on the whole global batch, whatever the live count: no batch is
-skipped or repeated, and the losses equal an uninterrupted run's up to the order of summation.
+slices (a rank's tp and pp peers take the same rows). So every step trains on the whole global
+batch, whatever the live count: no batch is skipped or repeated, and the losses equal an
+uninterrupted run's up to the order of summation.
 
 Collectives, per step: the group's own gradient reduction (DDP's allreduce over its dp group;
 ZeRO's reduce-scatter into this rank's 1/g gradient shards), then, when two or more groups are
 live, one allreduce (sum) over the lane of this in-group rank (comm/replicas.py) of [what that
-reduction left on this rank: DDP's whole gradient buckets, ZeRO's gradient shards | this rank's
-loss], divided by L. The component calls :meth:`ReplicaGroups.reduce` exactly once a step, in
-its ``_finish_grad_sync``, when those are final and before clipping, the fp16 verdict or the
-optimizer read them; so the norm clipping sees, and the optimizer steps on, the mean over all
-live groups. Then every rank of every member votes (comm/quorum.py), and the optimizer steps
-only when all succeeded. A peer lost mid-step makes the vote fail everywhere: ``reduce`` raises
-:class:`Redo` before the optimizer, the component drops the step's gradients
+reduction left on this rank: DDP's whole gradient buckets, ZeRO's gradient shards, of its tp
+slice and its stage | this rank's loss], divided by L. The component calls
+:meth:`ReplicaGroups.reduce` exactly once a step, in its ``_finish_grad_sync``, when those are
+final and before clipping, the fp16 verdict or the optimizer read them; so the norm clipping
+(its squares then summed over tp and pp by the TensorPlan) sees, and the optimizer steps on, the
+mean over all live groups. Then every rank of every member votes (comm/quorum.py), and the
+optimizer steps only when all succeeded. A peer lost mid-step makes the vote fail everywhere:
+``reduce`` raises :class:`Redo` before the optimizer, the component drops the step's gradients
 (``strategy.zero_grad()``: no optimizer state touched, no reduction left in flight), and the
 survivors form a new quorum for the same step and redo it on their new shares (no step is lost,
 none is applied twice). A synced group left out of a quorum (its heartbeat stopped for a while)
 leaves with an error; its launcher restarts it. A group that (re)starts joins at a step
 boundary: the lowest-id synced member sends it its state over the new link, lane by lane (the
 strategy's state dict and the RNG state of in-group rank r go to in-group rank r: DDP's whole
-state, ZeRO's shard r of the masters and the optimizer state, whose load then all-gathers the
-whole parameters inside the joining group), and it continues from that member's step, so every
-replica's parameters are bit-identical afterwards. Whenever a decision builds a link or copies
-state, the ranks of each group agree (one allreduce, min, over the group) that every lane
-succeeded before anything is loaded, so a group never splits between two rounds.
+state of its tp slice and stage, ZeRO's shard r of the masters and the optimizer state, whose
+load then all-gathers the parameters inside the joining group), and it continues from that
+member's step, so every replica's parameters are bit-identical afterwards. Whenever a decision
+builds a link or copies state, the ranks of each group agree (one allreduce, min, over the
+group) that every lane succeeded before anything is loaded, so a group never splits between two
+rounds.
+
+Tensor parallelism inside a group needs nothing more: its own traffic (f / g, --sp's sums of the
+norms' gradients) finishes inside backward, so the component's buffers hold this rank's final
+tp-slice gradients and lane r joins in-group rank r of every group (the same (dp, tp)
+coordinates, the same slice). Under a pipeline the strategy is the driver
+(parallel/pipeline/driver.py): the hook set on it (``strategy.ft``) lands on its component,
+which calls it after the schedule's flush and the tied-weight sum, so stage s of every group is
+averaged together; the driver broadcasts the last stage's loss over pp first, so every lane's
+loss is its dp rank's. A Redo leaves no send or receive in flight (the flush is over), and
+``zero_grad`` is the component's.
 
 Checkpoints and stops (``--checkpoint-dir``): the lowest-id member of the step just taken
 writes the run's checkpoints (:meth:`ReplicaGroups.writes_checkpoints`; its own world saves as
@@ -46,10 +61,10 @@ raises :class:`StopAgreed` before that step instead of training: all groups leav
 step boundary, and the lowest-id synced one saves that step's checkpoint first.
 
 Memory: one flat fp32 copy of what the lane reduces (4P under DDP, 4P/g under ZeRO: the
-cross-group buffer) plus the serialised state while a join is served. Traffic per step: 2(L-1)/L
-x 4P bytes per rank over the lane under DDP, 2(L-1)/L x 4P/g under ZeRO (each lane carries one
-shard), and the state (model + optimizer, about 12P bytes with Adam; 12P/g per lane under ZeRO)
-once to each joining group.
+cross-group buffer; P this rank's part: the model / (tp x pp) roughly) plus the serialised
+state while a join is served. Traffic per step: 2(L-1)/L x 4P bytes per rank over the lane
+under DDP, 2(L-1)/L x 4P/g under ZeRO (each lane carries one shard), and the state (model +
+optimizer, about 12P bytes with Adam; 12P/g per lane under ZeRO) once to each joining group.
 
 Reference: torchft (PyTorch), "Fault Tolerance for Large Scale Training" (the quorum, the
 per-step commit, recovery from a live peer).

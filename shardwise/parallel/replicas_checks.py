@@ -68,25 +68,29 @@ def check(cfg: Config, world_size: int, dp: int) -> None:
                 "size, or change --nproc-per-node / --dp")
     _not_built(cfg, r)
     group = whole // r
-    per = cfg.memory.grad_accum * group
+    m = cfg.parallel.num_microbatches if cfg.parallel.pp > 1 else 1   # a pipeline's pieces
+    per = cfg.memory.grad_accum * group * m
     lcm = math.lcm(*range(1, r + 1)) * per
     if cfg.train.batch_size % lcm:
+        pieces = f" x {m} micro-batches" if m > 1 else ""
         _refuse(r, f"batch size {cfg.train.batch_size} does not split into equal shares over "
                 f"every live count of groups (1 to {r}) x {group} rank(s) x grad_accum "
-                f"{cfg.memory.grad_accum}", f"use a --batch-size that is a multiple of {lcm}")
+                f"{cfg.memory.grad_accum}{pieces}", f"use a --batch-size that is a multiple "
+                f"of {lcm}")
 
 
 def _not_built(cfg: Config, r: int) -> None:
     """Layouts inside a group that replica groups do not serve yet (docs/checkpoints.md). DDP
-    and ZeRO stages 1-3 over the group's ranks are served (parallel/replicas.py)."""
+    and ZeRO stages 1-3 over the group's dp ranks are served, with tensor parallelism (--tp)
+    and a pipeline (--pp) inside the group too (parallel/replicas.py)."""
     p, m = cfg.parallel, cfg.memory
-    flags = {f"--{a.replace('_', '-')}": getattr(p, a) for a in ("tp", "pp", "cp")
-             if getattr(p, a) > 1}
+    flags = {f"--{a}": getattr(p, a) for a in ("cp",) if getattr(p, a) > 1}
     flags.update({f"--{a.replace('_', '-')}": getattr(p, a) for a in ("dp_shard", "dp_replicate")
                   if getattr(p, a)})       # HSDP inside a group
     if flags:
         _refuse(r, "replica groups of " + " / ".join(f"{f} {v}" for f, v in flags.items())
-                + " are not built yet (DDP or ZeRO-1/2/3 inside each group is)",
+                + " are not built yet (DDP or ZeRO-1/2/3, with --tp / --pp, inside each "
+                "group is)",
                 "drop " + " and ".join(flags) + ", or drop --ft-replicas")
     if zero_stage(cfg) > 0 and (m.offload != "none" or m.offload_params):
         _refuse(r, "replica groups of ZeRO with --offload / --offload-params are not built yet",

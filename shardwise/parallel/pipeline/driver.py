@@ -37,6 +37,12 @@ stage, gradients are averaged over dp, so the update equals single training on t
 batch's mean loss; ``train_step`` returns that mean on every rank. Only whole steps run: no rank
 holds the whole model for ``engine(x)``.
 
+Replica groups (``--ft-replicas``, parallel/replicas.py): the hook set on the driver
+(``self.ft``) is the component's, which averages this stage's reduced gradients and the loss
+(broadcast from the last stage before the sync) over the live groups once a step, before
+clipping and the optimizer; a failed vote raises Redo there, after the flush, and
+:meth:`zero_grad` (the component's) drops the step's gradients for the retake.
+
 Reference: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC'21); torchtitan runs FSDP under pipelines the same way (gradients reduced at the
 stage's last backward).
@@ -166,12 +172,15 @@ class PipelineDriver(Strategy):
                 self.scaler.scale / (m * passes), on_backward=hook)
             total += loss / self.scaler.scale
         self._sum_tied_grads()
-        self._clip_if_configured()
-        self.grads.step()
+        # every stage's copy of this dp rank's loss, before the component's gradient sync:
+        # --ft-replicas' hook averages it over the groups with the gradients (replicas.py)
+        self.local_loss = self._from_last_stage(total)
+        self._clip_if_configured()     # a failed --ft-replicas vote raises Redo here or in
+        self.grads.step()              # step(): nothing stepped, zero_grad() drops the pass
         self.steps_done += 1
         if self.steps_done == self.cfg.train.steps and self._png:
             self.pipeline_report(self._png, announce=True)
-        return self.reduce_mean(self._from_last_stage(total))
+        return self.reduce_mean(self.local_loss)
 
     def _before_backward(self, last_pass: bool, mb: int, last_mb: bool) -> None:
         """Before each weight-gradient action: the step's last one reduces as it goes."""
@@ -179,6 +188,23 @@ class PipelineDriver(Strategy):
 
     def step(self) -> None:
         self.grads.step()
+
+    # -- --ft-replicas (parallel/replicas.py): the hook lives on the component ---------------
+    @property
+    def ft(self):
+        """The replica groups' hook: the component's, which calls its ``reduce`` once a step in
+        its ``_finish_grad_sync``, on this stage's reduced gradients (after the flush and the
+        tied-weight sum, before clipping and the optimizer)."""
+        return self.grads.ft
+
+    @ft.setter
+    def ft(self, hook) -> None:
+        self.grads.ft = hook
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop this step's gradients (a failed --ft-replicas vote): every micro-batch's sends
+        and receives finished with the schedule, so only the component holds anything."""
+        self.grads.zero_grad(set_to_none)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The component's clipping: its squares summed over dp, then tp and pp (its plan)."""
