@@ -27,6 +27,8 @@ and KIND is one of:
     planner-steps FILE      planner_validation.json: predicted vs measured states and step time
     planner-categories FILE the same file, per memory category
     offload-row FILE        the ZeRO-Infinity row: throughput, peak RSS fallen vs bytes offloaded
+    planner-heldout FILE    planner_heldout.json: the held-out models, run by run, and what
+                            missed its goal
 
 A measured figure inside a sentence is an inline value, one number from one JSON file:
 
@@ -248,6 +250,20 @@ def offload_row(path: str) -> str:
     return "\n".join(rows) + "\n\n" + provenance(path)
 
 
+def planner_heldout(path: str) -> str:
+    """planner_heldout.json: each held-out model and strategy, run by run (the benchmark's
+    own table), the cases that missed a goal, and where it ran."""
+    from shardwise.bench import validate_planner_heldout as vh
+    doc = _load(path)
+    s = doc["summary"]
+    missed = [f"- step time within 25% in every run: {s['step_ok']} of {s['completed']}; "
+              f"missed: {', '.join(s['step_missed']) or 'none'}",
+              f"- memory within 10% per category in every run: {s['memory_ok']} of "
+              f"{s['completed']}; missed: {', '.join(s['memory_missed']) or 'none'}",
+              f"- did not run: {', '.join(s['failed']) or 'none'}"]
+    return vh.markdown(doc) + "\n" + "\n".join(missed) + "\n\n" + provenance(path)
+
+
 def cli_reference() -> str:
     """Each command's usage and options, as ``--help`` prints them (one source)."""
     from shardwise import cli
@@ -271,7 +287,8 @@ KINDS = {"bench-table": bench_table, "bench-provenance": bench_provenance,
          "gpu-table": gpu_tables, "gpu-summary": gpu_summary, "generate-speed": generate_speed,
          "cli-reference": cli_reference, "bench-rows": bench_rows, "json-table": json_table,
          "ps-rows": ps_rows, "bubble": bubble, "planner-steps": planner_steps,
-         "planner-categories": planner_categories, "offload-row": offload_row}
+         "planner-categories": planner_categories,
+         "planner-heldout": planner_heldout, "offload-row": offload_row}
 
 
 VALUE = re.compile(r"(<!-- value: (?P<spec>[^>]*?) -->)(?P<body>[^<\n]*)(<!-- /value -->)")

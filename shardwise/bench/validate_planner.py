@@ -1,6 +1,10 @@
 """The planner against this machine: predicted vs measured memory per rank and step time.
 
     python -m shardwise.bench.validate_planner [--steps 10] [--reps 3] [--only ddp,zero2]
+    python -m shardwise.bench.validate_planner --held-out [--runs 3] [--steps 4] [--save]
+
+``--held-out``: calibrated on this benchmark GPT only, validated on models it never saw
+(shardwise/bench/validate_planner_heldout.py).
 
 For each strategy shardwise has here (``shardwise.parallel.available()``), the benchmark GPT
 (``shardwise.bench.harness.gpt_bench_config``: 4 layers, width 256, seq 128, batch 8, fp32 AdamW)
@@ -257,7 +261,12 @@ def markdown(rows: list[dict], calibrations: Calibrations, load: tuple) -> str:
 def main(argv: list[str] | None = None) -> int:
     from shardwise.parallel import available
     ap = argparse.ArgumentParser(prog="python -m shardwise.bench.validate_planner")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps per run (10; held-out: 4)")
+    ap.add_argument("--held-out", action="store_true",
+                    help="validate on models the calibration never saw (planner_heldout.*)")
+    ap.add_argument("--runs", type=int, default=3, help="held-out: consecutive runs")
+    ap.add_argument("--models", default="", help="held-out: comma-separated MODELS keys")
     ap.add_argument("--reps", type=int, default=3,
                     help="runs per strategy, each between two calibrations (medians)")
     ap.add_argument("--only", default="", help="comma-separated strategies (default: all here)")
@@ -266,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
                          "default: a temp dir, printed")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)           # calibrate with what each forked rank gets
+    if args.held_out:
+        from shardwise.bench import validate_planner_heldout
+        args.steps = args.steps or 4
+        return validate_planner_heldout.main(args)
+    args.steps = args.steps or 10
     names = [n for n in (args.only.split(",") if args.only else CASES) if n in available()]
     calibrations = Calibrations()
     rows = []

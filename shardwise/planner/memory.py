@@ -50,10 +50,11 @@ are not reached at the same moment: saved activations peak at the end of forward
 gradient bucket is in use, and are mostly freed by the end of backward, when the buckets are
 reducing and (ZeRO-2/3) the gradient shards exist. So the device's peak is the persistent
 states (parameters, master weights, optimizer states, and the gradients where they persist:
-DDP, ZeRO-1, pipelines, any run of several micro-batches per step) plus the larger of two
-phases: forward's end (activations + the buffers live in forward: ZeRO-3's gathered units,
-the pipeline's boundary buffers) and backward's end / the step (the transient gradients + every
-buffer: ZeRO-2/3's shard, or a single replica's ``p.grad`` freed by ``zero_grad``). Within
+DDP, ZeRO-1, pipelines, any run of several micro-batches per step; the mapped shared memory of
+planner/buffers.py) plus the larger of two phases: forward's end (activations + the buffers
+live in forward: ZeRO-3's gathered units) and backward's end / the step (the transient
+gradients + ZeRO's staging and the backend's copies: ZeRO-2/3's shard, or a single replica's
+``p.grad`` freed by ``zero_grad``). Communication buffers by kind: planner/buffers.py. Within
 backward the gradients grow as the activations are freed, layer by layer, so for uniform layers
 the larger phase bounds every instant in between. ``total`` adds every category and is kept as the conservative figure
 (the planner's ``fits`` and its tables use it); ``peak`` is what the measured peak resident
@@ -64,6 +65,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.planner.buffers import buffer_parts, forward_buffers  # noqa: F401 (re-exported)
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import Batch, Layout
 from shardwise.planner.model import ModelSpec
@@ -170,7 +172,7 @@ def activation_per_layer(model: ModelSpec, layout: Layout, batch: Batch, full: b
     if not full:
         return scale * 2 * s * b * h / sp / cp
     unsplit = 10 / sp
-    split = (8 + 4 * model.ffn / h) / t
+    split = (8 + (8 if model.gated_mlp else 4) * model.ffn / h) / t   # SwiGLU keeps 4 f-wide
     dropped = layout.selective_recompute or model.fused_attention \
         or (cp > 1 and layout.cp_impl == "ring")                         # no s x s kept
     attention = 0.0 if dropped else 5 * model.heads * s * s * b / t / cp
@@ -204,76 +206,42 @@ def stage_activations(model: ModelSpec, layout: Layout, batch: Batch, stage: int
     return held
 
 
-def buffer_parts(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float,
-                 copies: float = 0.0) -> dict:
-    """Communication buffers by kind: ``buckets``, two gradient buckets for DDP / ZeRO (one
-    reducing, one filling; live in backward); ``gathered``, ZeRO-3's two gathered blocks (the
-    one computing, the one prefetched; forward and backward); ``boundary``, two boundary
-    activations (send, receive) per pipeline stage (forward and backward); ``backend``, what
-    the backend itself allocates for ZeRO's collectives in flight, ``copies``
-    (``Hardware.collective_copies``) times their whole tensors: gloo copies a reduce-scatter's
-    input and gathers into a temporary of the output's size, NCCL does not (0). In flight at
-    once in shardwise's schedules: ZeRO-1, every bucket's reduce-scatter, waited at the step
-    (the whole gradient); ZeRO-2, its two buckets; ZeRO-3, its two gathered blocks; a
-    pipeline's ZeRO-1, the stage's reduce-scatter, then its all-gather (the stage's
-    parameters, the larger)."""
-    grad_bytes = state_bytes(batch)["gradients"]
-    parts = {"buckets": 0.0, "gathered": 0.0, "boundary": 0.0, "backend": 0.0}
-    if layout.dp * layout.cp > 1 or layout.offloaded:
-        parts["buckets"] = 2 * min(layout.bucket_bytes, grad_bytes * p_dev)
-    if layout.zero >= 3:
-        parts["gathered"] = 2 * state_bytes(batch)["parameters"] * model.layer_params / layout.tp
-    if layout.pp > 1:
-        parts["boundary"] = (2 * 2 * model.seq_len * layout.micro_batch * model.hidden
-                             / layout.tp / layout.cp)
-    if copies and layout.dp * layout.cp > 1 and layout.zero and not layout.num_ps:
-        whole = {1: grad_bytes * p_dev, 2: parts["buckets"], 3: parts["gathered"]}[layout.zero]
-        if layout.pp > 1:
-            whole = max(grad_bytes, state_bytes(batch)["parameters"]) * p_dev
-        parts["backend"] = copies * whole
-    return parts
-
-
-def buffers(model: ModelSpec, layout: Layout, batch: Batch, p_dev: float,
-            copies: float = 0.0) -> float:
-    """Communication buffers: every kind of :func:`buffer_parts` together."""
-    return sum(buffer_parts(model, layout, batch, p_dev, copies).values())
-
-
 def peak_instant(device: dict[str, float], parts: dict[str, float], layout: Layout,
-                 microbatches: int) -> float:
-    """Bytes at the step's peak instant (module docstring): persistent states plus the larger
-    of forward's end (activations + gathered units + boundary buffers) and backward's end (the
-    transient gradients + every buffer). Gradients are transient when one micro-batch makes
-    the step (accumulation keeps them through the next forward) and nothing holds them between
-    steps: ZeRO-2/3 free their shard after the step, a single device's ``p.grad`` go at
-    ``zero_grad(set_to_none=True)`` (torch's default). Every other layout keeps its whole
-    gradients in a flat buffer that persists: DDP's and ZeRO-1's buckets, the contiguous
-    gradient buffer of tensor and pipeline parallelism (Megatron's; shardwise's DDP buckets
-    under a pipeline), a parameter-server worker's."""
+                 microbatches: int, forward_buffers: float = 0.0) -> float:
+    """Bytes at the step's peak instant (module docstring): persistent states (and the mapped
+    shared memory, planner/buffers.py) plus the larger of forward's end (activations + the
+    buffers live in forward: ZeRO-3's units, ``forward_buffers``) and backward's end (the
+    transient gradients + ZeRO's transient buffers at their peak). Gradients are transient when
+    one micro-batch makes the step (accumulation keeps them through the next forward) and
+    nothing holds them between steps: ZeRO-2/3 free their shard after the step, a single
+    device's ``p.grad`` go at ``zero_grad(set_to_none=True)`` (torch's default). Every other
+    layout keeps its whole gradients in a flat buffer that persists: DDP's and ZeRO-1's
+    buckets, the contiguous gradient buffer of tensor and pipeline parallelism (Megatron's;
+    shardwise's DDP buckets under a pipeline), a parameter-server worker's."""
     alone = layout.dp == layout.cp == layout.tp == layout.pp == 1 and not layout.num_ps
     transient = microbatches == 1 and (layout.zero >= 2 or alone)
     grads = device["gradients"] if transient else 0.0
     persistent = sum(device[k] for k in ("parameters", "master_weights", "optimizer_states"))
-    persistent += device["gradients"] - grads
-    forward = device["activations"] + parts["gathered"] + parts["boundary"]
-    if layout.zero >= 3:                  # the gathers' copies are in flight in forward too
-        forward += parts["backend"]
-    backward = grads + sum(parts.values())
+    persistent += device["gradients"] - grads + parts.get("shared", 0.0)
+    forward = device["activations"] + forward_buffers
+    backward = grads + sum(v for k, v in parts.items() if k != "shared")
     return persistent + max(forward, backward)
 
 
-def _device(model, layout, batch, stage, microbatches,
-            copies: float = 0.0) -> tuple[dict[str, float], dict, float]:
+def _device(model, layout, batch, stage, microbatches, hw: Hardware) -> tuple[dict[str, float],
+                                                                               dict, float]:
     """(categories, bytes moved to cpu / disk, bytes at the peak instant) for one device of
-    ``stage``; ``copies``: the backend's (``buffer_parts``)."""
+    ``stage``; the backend's copies and the same-host shared memory from ``hw``
+    (planner/buffers.py)."""
     p_dev = stage_params(model, layout.pp, stage) / layout.tp
     states, offloaded = model_states(p_dev, layout, batch)
     states["activations"] = stage_activations(model, layout, batch, stage, microbatches)
-    parts = buffer_parts(model, layout, batch, p_dev, copies)
+    copies, shared = hw.collective_copies, hw.allreduce_bw > 0
+    parts = buffer_parts(model, layout, batch, p_dev, copies, stage, shared)
+    fwd = forward_buffers(model, layout, batch, p_dev, copies, stage)
     states["buffers"] = sum(parts.values())
     device = {k: states[k] for k in CATEGORIES}
-    return device, offloaded, peak_instant(device, parts, layout, microbatches)
+    return device, offloaded, peak_instant(device, parts, layout, microbatches, fwd)
 
 
 def _server(model: ModelSpec, layout: Layout, batch: Batch) -> dict[str, float]:
@@ -292,15 +260,16 @@ def _server(model: ModelSpec, layout: Layout, batch: Batch) -> dict[str, float]:
 def memory(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Memory:
     """The fullest device's memory, and what offload puts on each node's host or disk."""
     m = layout.microbatches(batch.global_batch)
-    copies = hw.collective_copies
-    first, offloaded, first_peak = _device(model, layout, batch, 0, m, copies)
+    first, offloaded, first_peak = _device(model, layout, batch, 0, m, hw)
     candidates = [("stage 0" if layout.pp > 1 else "rank", first, first_peak)]
     if layout.pp > 1:
-        last, _, last_peak = _device(model, layout, batch, layout.pp - 1, m, copies)
+        last, _, last_peak = _device(model, layout, batch, layout.pp - 1, m, hw)
         candidates.append(("last stage", last, last_peak))
     if layout.num_ps:
-        # a worker keeps no optimizer; both hold every category through the step (no buckets)
-        worker = dict(first, master_weights=0.0, optimizer_states=0.0)
+        # a worker keeps no optimizer, and a push and a pull message of the whole fp32 model
+        # (parallel/ps.py); both hold every category through the step
+        worker = dict(first, master_weights=0.0, optimizer_states=0.0,
+                      buffers=2 * 4.0 * model.params)
         server = _server(model, layout, batch)
         candidates = [("worker", worker, sum(worker.values())),
                       ("server", server, sum(server.values()))]

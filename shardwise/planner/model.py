@@ -1,10 +1,21 @@
-"""The model being planned: a GPT-style decoder described by five numbers.
+"""The model being planned: a decoder described by five numbers and a few architecture flags.
 
 Parameter count (biases and layer norms included, as in ``shardwise.models.gpt``):
 per layer ``4h^2 + 2hf + 9h + f`` (qkv 3h^2+3h, projection h^2+h, MLP h*f+f and f*h+h, two layer
 norms 4h), which is ``12h^2 + 13h`` for the usual ``f = 4h``; plus the token embedding ``V h``,
 the position embedding ``S h``, the final layer norm ``2h``, and an output head ``V h`` unless
 it is tied to the token embedding.
+
+Llama-style decoders (Touvron et al. 2023; Hugging Face's ``LlamaForCausalLM``) set three flags:
+``kv_heads`` (grouped-query attention: keys and values of ``kv_heads`` heads, ``2 h kv`` weights
+with ``kv = kv_heads * h / a``), ``gated_mlp`` (SwiGLU: gate, up and down matrices of width f,
+``3 h f``) and ``biases=False`` (no linear biases, RMSNorm with a weight only), and drop the
+position table (``learned_positions=False``: rotary). Per layer that is
+``2h^2 + 2h kv + 3hf + 2h``; HF Llama 8 x 512 (f = 1376, V = 256) holds 25,567,744.
+
+``block_tensors`` lists one block's parameter tensors in registration order (the order the
+data-parallel bucket planner and ZeRO-3's units see them: planner/buffers.py): GPT-2's fused
+qkv with the norms first, or, with a gated MLP, Llama's separate q, k, v and its norms last.
 """
 from __future__ import annotations
 
@@ -32,6 +43,15 @@ class ModelSpec:
     """Width of the MLP's inner layer, f; 0 means 4h. (A SwiGLU MLP of width w counts as 1.5w.)"""
     tied_embeddings: bool = True
     """Whether the output head shares the token embedding's weights (GPT-2/3 do)."""
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention; must divide ``heads``); 0 means ``heads``."""
+    gated_mlp: bool = False
+    """SwiGLU MLP (Llama): gate, up and down matrices of width ``ffn_hidden`` (then the real
+    width, not the 1.5x-equivalent of the 70B preset)."""
+    biases: bool = True
+    """Linear layers carry biases and norms a bias (LayerNorm); False: none, RMSNorm (Llama)."""
+    learned_positions: bool = True
+    """A learned position table (S h parameters); False: rotary embeddings (no parameters)."""
     fused_attention: bool = False
     """Whether attention runs as one fused kernel that does not keep the ``s x s`` score and
     softmax matrices for backward (FlashAttention, ``F.scaled_dot_product_attention``, as
@@ -48,6 +68,10 @@ class ModelSpec:
         if self.hidden % self.heads:
             raise PlanError("model", f"hidden={self.hidden}, heads={self.heads}",
                             "has heads that do not divide hidden", "pick heads dividing hidden")
+        if self.kv_heads < 0 or (self.kv_heads and self.heads % self.kv_heads):
+            raise PlanError("model", f"heads={self.heads}, kv_heads={self.kv_heads}",
+                            "has key/value heads that do not divide the heads",
+                            "pick kv_heads dividing heads (0: as many as heads)")
 
     @property
     def ffn(self) -> int:
@@ -55,20 +79,43 @@ class ModelSpec:
         return self.ffn_hidden or 4 * self.hidden
 
     @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values): ``kv_heads * h / a`` (h without GQA)."""
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    @property
+    def norm_params(self) -> int:
+        """One norm: weight and bias (LayerNorm, 2h) or weight only (RMSNorm, h)."""
+        return 2 * self.hidden if self.biases else self.hidden
+
+    def block_tensors(self) -> list[int]:
+        """Element counts of one block's parameter tensors in registration order (module
+        docstring); they sum to ``layer_params``."""
+        h, f, kv, b = self.hidden, self.ffn, self.kv_width, self.biases
+        norm = [h, h] if b else [h]
+        if self.gated_mlp:       # Llama: q, k, v, o, gate, up, down, then the two norms
+            attn = [h * h, h * kv, h * kv, h * h] + ([h, kv, kv, h] if b else [])
+            mlp = [h * f, h * f, f * h] + ([f, f, h] if b else [])
+            return attn + mlp + norm + norm
+        attn = [h * (h + 2 * kv)] + ([h + 2 * kv] if b else []) + [h * h] + ([h] if b else [])
+        mlp = [h * f] + ([f] if b else []) + [f * h] + ([h] if b else [])
+        return norm + attn + norm + mlp
+
+    @property
     def layer_params(self) -> int:
-        """Parameters of one transformer block: 4h^2 + 2hf + 9h + f."""
-        h, f = self.hidden, self.ffn
-        return 4 * h * h + 2 * h * f + 9 * h + f
+        """Parameters of one transformer block: 4h^2 + 2hf + 9h + f (module docstring for
+        grouped-query attention, a gated MLP and no biases)."""
+        return sum(self.block_tensors())
 
     @property
     def embedding_params(self) -> int:
-        """Token and position embeddings: V h + S h."""
-        return (self.vocab + self.seq_len) * self.hidden
+        """Token and position embeddings: V h + S h (no S h with rotary positions)."""
+        return (self.vocab + (self.seq_len if self.learned_positions else 0)) * self.hidden
 
     @property
     def head_params(self) -> int:
         """Final layer norm, plus the output head when untied: 2h (+ V h)."""
-        return 2 * self.hidden + (0 if self.tied_embeddings else self.vocab * self.hidden)
+        return self.norm_params + (0 if self.tied_embeddings else self.vocab * self.hidden)
 
     @property
     def params(self) -> int:
