@@ -44,6 +44,13 @@ def one_process_two_threads(rank, world, **parallel):
                                                    steps=STEPS - 2)}
 
 
+def one_process_two_threads_sized(rank, world, size="3m", steps=STEPS, **parallel):
+    # world is 1 here: one process, both cores, the model of SIZES[size] at the same batch
+    cfg = sized_config(Strategy.SINGLE, size, steps)
+    return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, steps=steps - 2),
+            "extra": {"parameters": parameters(cfg)}}
+
+
 def ddp_overlap_on(rank, world, **parallel):
     return ddp(rank, world, **{**parallel, "overlap": True})
 
@@ -131,6 +138,11 @@ ROWS = [
         goal="effect of overlap (ratio < 1 means overlap helps)", peer_name="shardwise DDP, overlap on"),
     Row("ddp-vs-one-process", ddp, one_process_two_threads, world=2, peer_world=1,
         args={"bucket_mb": 25.0}, goal="torch DDP reaches 0.90x here (the 2-core limit)",
+        peer_name="one process, 2 threads, plain loop"),
+    # issue 35 item 3 at the 57M GPT: the physical limit of data parallelism on 2 cores
+    Row("ddp-vs-one-process-57m", ddp_sized, one_process_two_threads_sized, world=2,
+        peer_world=1, args={"size": "57m", "steps": 8, "bucket_mb": 25.0},
+        quick_args={"steps": 6}, goal="ratio >= 0.98 (DDP world 2 against the 2-core limit)",
         peer_name="one process, 2 threads, plain loop"),
     Row("dp-vs-ddp", dp_replicas, ddp, world=1, peer_world=2, args={"bucket_mb": 25.0},
         goal="single-process DP below DDP (GIL, reduction on replica 0)",
