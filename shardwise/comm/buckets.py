@@ -69,8 +69,13 @@ class GradBuckets:
     """Flat gradient buffers over ``named_params`` with readiness hooks."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], bucket_bytes: float,
-                 on_ready: Callable[[Bucket], None]):
+                 on_ready: Callable[[Bucket], None],
+                 storage: Callable[[int], torch.Tensor | None] | None = None):
+        """``storage(nbytes)``: where the buffers live (uint8 bytes every bucket is carved from,
+        64-byte aligned, in bucket order; a shared mapping the reducer all-reduces in place),
+        asked once at allocation; None from it, or no ``storage``: ordinary tensors."""
         named_params = [(n, p) for n, p in named_params if p.requires_grad]
+        self.storage = storage
         sizes = [p.numel() * p.element_size() for _, p in named_params]
         self.buckets: list[Bucket] = []
         self.on_ready = on_ready
@@ -97,9 +102,18 @@ class GradBuckets:
         docstring); a gradient already there is copied into its view."""
         if self.buckets and self.buckets[0].buffer is not None:
             return
-        for bucket, (indices, layout) in zip(self.buckets, self._plans):
+        sizes = [-(-layout.padded * b.params[0].element_size() // 64) * 64
+                 for b, (_, layout) in zip(self.buckets, self._plans)]
+        where = self.storage(sum(sizes)) if self.storage is not None and self.buckets else None
+        offset = 0
+        for bucket, (indices, layout), size in zip(self.buckets, self._plans, sizes):
             first = bucket.params[0]
-            bucket.buffer = layout.new_flat(dtype=first.dtype, device=first.device)
+            if where is None:
+                bucket.buffer = layout.new_flat(dtype=first.dtype, device=first.device)
+            else:          # zeroed already (a fresh mapping)
+                nbytes = layout.padded * first.element_size()
+                bucket.buffer = where[offset:offset + nbytes].view(first.dtype)
+                offset += size
             for i, p, view in zip(indices, bucket.params, layout.views(bucket.buffer)):
                 if p.grad is not None:
                     view.copy_(p.grad)

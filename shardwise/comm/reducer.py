@@ -4,8 +4,9 @@
 ~3.5x faster than the backend's).
 
 ``shm`` (and ``auto`` where it applies) serves the all-reduce from shared memory when every
-member runs on this host (shardwise/comm/shm.py; about half gloo's time on CPU); reduce-scatter
-and all-gather stay native. ``auto`` takes it when every member is on one x86 CPU host and waits
+member runs on this host (shardwise/comm/shm.py; about half gloo's time on CPU, less again for
+tensors allocated in the shared mapping itself: ``shared_buffer``); reduce-scatter and
+all-gather stay native. ``auto`` takes it when every member is on one x86 CPU host and waits
 by polling (``train.comm_wait``: each rank has cores of its own), else native. The choice is made
 at the first all-reduce, from every member's answers gathered once, so all members agree; an
 explicit ``shm`` that cannot apply stops with the reason.
@@ -53,6 +54,14 @@ class Reducer:
                                        "(shared memory where it applies) or native")
         return self._shm or None
 
+    def shared_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """Collective: ``nbytes`` (uint8, zeroed) in this member's part of a shared mapping whose
+        tensors all-reduce in place, with nothing copied in or out (comm/shm.py ``share``), or
+        None where the shared-memory all-reduce does not serve this group. Every member must
+        carve it identically (same tensors at the same offsets)."""
+        fast = self._shared_memory()
+        return fast.share(nbytes) if fast is not None else None
+
     @property
     def uses_shared_memory(self) -> bool:
         return bool(self._shm)
@@ -72,16 +81,16 @@ class Reducer:
         work.wait()
         return DONE
 
-    def all_reduce(self, t: torch.Tensor, async_op: bool, name: str) -> Work:
-        """t = the group's sum of t, in place."""
+    def all_reduce(self, t: torch.Tensor, async_op: bool, name: str, op: str = "sum") -> Work:
+        """t = the group's sum of t (``op="avg"``: divided by the group's size), in place."""
         fast = self._shared_memory()
         if fast is not None and t.is_contiguous() and t.dtype in shm.SUMMABLE:
-            fast.all_reduce(t, name)    # synchronous: the returned Work is already done
+            fast.all_reduce(t, name, op)    # synchronous: the returned Work is already done
             return DONE
         if self.ring is not None:
-            return self._finish(self.ring.all_reduce(t, self.group, name=name), async_op)
-        return self._finish(self.comm.all_reduce(t, self.group, async_op=async_op, name=name),
-                            async_op)
+            return self._finish(self.ring.all_reduce(t, self.group, op=op, name=name), async_op)
+        return self._finish(self.comm.all_reduce(t, self.group, op=op, async_op=async_op,
+                                                 name=name), async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
                        name: str) -> Work:

@@ -16,6 +16,17 @@ barrier; every member copies the whole result back. Two barriers per chunk suffi
 rewritten only after the second barrier (every sum has read it), and the result only after the
 next chunk's first barrier (every member has copied it out). Every rank ends with the same bits.
 
+In place (``share``): a caller whose tensors can live in shared memory from the start (DDP's
+gradient buckets: the ``.grad`` views backward writes into) asks for ``share(nbytes)``, a
+collective that maps one file of N x ``nbytes`` holding every member's part; this member's part
+is returned and allocated from. An all-reduce of a tensor inside that part copies nothing in or
+out: barrier; member r sums slice r of every member's copy (member order 0..N-1) into its own
+copy's slice r; barrier; member r copies every other slice i from member i's copy into its own;
+barrier (every member has read slice r of ours: it may change again). Memory traffic per member
+2.5 K bytes for a K-byte tensor at N = 2, against 5.5 K through the slots (each chunk copied in,
+summed, copied out). The price: each member reads the others' parts, so their pages count in
+its RSS too (shared pages: the machine holds each member's part once).
+
 Barrier: each member raises its own counter and polls the others' (the cores stay awake, as with
 ``train.comm_wait = spin``), backing off to 50 us sleeps after 1 ms so that ranks sharing cores
 still progress; a member that has not arrived within the collective timeout raises
@@ -134,8 +145,29 @@ class ShmAllReduce:
         self.counters = self.buf[(n + 1) * chunk_bytes:].view(torch.int64)[::_LINE // 8]
         self.mine = self.counters[r]
         self.generation = 0
+        self.parts: list[torch.Tensor] | None = None     # share(): every member's part
         timeout = comm.timeout or datetime.timedelta(minutes=5)
         self.timeout_s = timeout.total_seconds()
+
+    def share(self, nbytes: int) -> torch.Tensor:
+        """Collective: map every member's ``nbytes`` (rounded up to 64 bytes) of shared memory
+        and return this member's part, zeroed (uint8). Tensors viewed from it are all-reduced
+        in place (module docstring). Once per object."""
+        if self.parts is not None:
+            raise RuntimeError("ShmAllReduce.share: already shared once")
+        part = -(-nbytes // _LINE) * _LINE
+        whole = map_shared(self.comm, self.group, part * self.group.size, "shardwise-grads-")
+        self.parts = [whole[i * part:(i + 1) * part] for i in range(self.group.size)]
+        return self.parts[self.group.rank]
+
+    def _offset(self, t: torch.Tensor) -> int | None:
+        """Byte offset of ``t`` in this member's shared part (None: not inside it)."""
+        if self.parts is None:
+            return None
+        mine = self.parts[self.group.rank]
+        off = t.data_ptr() - mine.data_ptr()
+        k = t.numel() * t.element_size()
+        return off if 0 <= off and off + k <= mine.numel() else None
 
     def _region(self, index: int, dtype: torch.dtype) -> torch.Tensor:
         """Slot ``index`` (0..N-1) or the result (N), as a 1-D tensor of ``dtype``."""
@@ -153,36 +185,78 @@ class ShmAllReduce:
                 f"{self.timeout_s:.0f} s"))
         poll(lambda: bool((self.counters >= gen).all()), self.timeout_s, late)
 
-    def all_reduce(self, t: torch.Tensor, name: str) -> None:
-        """``t`` = the group's sum of ``t``, in place (contiguous, a float dtype)."""
+    def all_reduce(self, t: torch.Tensor, name: str, op: str = "sum") -> None:
+        """``t`` = the group's sum of ``t`` (``op="avg"``: the sum divided by N, each slice by
+        the member that summed it), in place (contiguous, a float dtype). A ``t`` inside this
+        member's shared part (:meth:`share`) must sit at the same offset on every member."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"{name}: the shared-memory allreduce sums or averages, not {op!r}")
         if t.dtype not in SUMMABLE or not t.is_contiguous():
             raise ValueError(f"{name}: the shared-memory allreduce takes contiguous float "
                              f"tensors, got {t.dtype} (contiguous={t.is_contiguous()})")
-        n, r = self.group.size, self.group.rank
+        n = self.group.size
         done = self.comm.recording(name, self.group.ranks, t.numel() * t.element_size())
         if done is SKIPPED:
             return
         t0 = time.perf_counter()
-        flat = t.view(-1)
-        per = self.chunk // t.element_size()
-        slots = [self._region(i, t.dtype) for i in range(n)]
-        result = self._region(n, t.dtype)
-        for start in range(0, flat.numel(), per):
-            piece = flat[start:start + per]
-            m = piece.numel()
-            slots[r][:m].copy_(piece)
-            self._barrier(name)
-            share = -(-m // n)
-            lo, hi = min(m, r * share), min(m, (r + 1) * share)
-            if hi > lo:
-                out = result[lo:hi]
-                torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
-                for i in range(2, n):
-                    out.add_(slots[i][lo:hi])
-            self._barrier(name)
-            piece.copy_(result[:m])
-        k = flat.numel() * t.element_size()
+        off = self._offset(t)
+        if off is not None:
+            with torch.profiler.record_function(f"shm:{name}"):
+                self._in_place(t, off, name, op == "avg")
+        else:
+            self._through_slots(t, name, op == "avg")
+        k = t.numel() * t.element_size()
         vol = 2 * (n - 1) / n * k
         self.comm.meter.record(name, vol, vol, time.perf_counter() - t0)
         if done is not None:
             done()
+
+    def _in_place(self, t: torch.Tensor, off: int, name: str, average: bool) -> None:
+        """All-reduce ``t``, which lies ``off`` bytes into this member's shared part."""
+        n, r = self.group.size, self.group.rank
+        k = t.numel()
+        copies = [p[off:off + k * t.element_size()].view(t.dtype) for p in self.parts]
+        share = -(-k // n)
+        bounds = [(min(k, i * share), min(k, (i + 1) * share)) for i in range(n)]
+        self._barrier(name)                       # every member's t is complete
+        lo, hi = bounds[r]
+        if hi > lo:
+            total = (copies[r][lo:hi] if r < 2 else       # out may alias an input only
+                     torch.empty_like(copies[r][lo:hi]))  # where that input is read first
+            torch.add(copies[0][lo:hi], copies[1][lo:hi], out=total)
+            for i in range(2, n):
+                total.add_(copies[i][lo:hi])
+            if average:
+                total.div_(n)
+            if r >= 2:
+                copies[r][lo:hi].copy_(total)
+        self._barrier(name)                       # every slice summed
+        for i, (a, z) in enumerate(bounds):
+            if i != r and z > a:
+                copies[r][a:z].copy_(copies[i][a:z])
+        self._barrier(name)                       # every member has read our slice
+
+    def _through_slots(self, t: torch.Tensor, name: str, average: bool) -> None:
+        """All-reduce ``t`` chunk by chunk through the slots (module docstring)."""
+        n, r = self.group.size, self.group.rank
+        flat = t.view(-1)
+        per = self.chunk // t.element_size()
+        slots = [self._region(i, t.dtype) for i in range(n)]
+        result = self._region(n, t.dtype)
+        with torch.profiler.record_function(f"shm:{name}"):   # named in a profile's trace
+            for start in range(0, flat.numel(), per):
+                piece = flat[start:start + per]
+                m = piece.numel()
+                slots[r][:m].copy_(piece)
+                self._barrier(name)
+                share = -(-m // n)
+                lo, hi = min(m, r * share), min(m, (r + 1) * share)
+                if hi > lo:
+                    out = result[lo:hi]
+                    torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
+                    for i in range(2, n):
+                        out.add_(slots[i][lo:hi])
+                    if average:
+                        out.div_(n)
+                self._barrier(name)
+                piece.copy_(result[:m])

@@ -1,6 +1,7 @@
 """The shared-memory allreduce (comm/shm.py, ``parallel.allreduce = shm | auto``): the group's
-sum on every rank, bit-identical across ranks, over several chunks and uneven slices; no file
-left behind; a member that never comes fails at the timeout naming it; ``auto`` takes it only on
+sum on every rank, bit-identical across ranks, over several chunks and uneven slices; tensors
+carved from the shared mapping (``share``) sum in place to the same bits as through the slots,
+and the others' copies are left as they were; no file left behind; a member that never comes fails at the timeout naming it; ``auto`` takes it only on
 one host with polling ranks, and an explicit ``shm`` that cannot apply says why."""
 import datetime
 import glob
@@ -48,6 +49,60 @@ def test_shared_memory_sum_equals_gloo_and_is_the_same_on_every_rank(world):
     assert ranks[0]["meter"]["calls"] == 3
     assert ranks[0]["meter"]["bytes_sent"] == pytest.approx(2 * (world - 1) / world * k, abs=3)
     assert set(glob.glob("/dev/shm/shardwise-allreduce-*")) == before   # unlinked at once
+
+
+def _in_place(rank, n):
+    group = Mesh.build(1, n, 1).world
+    comm = Comm(timeout=datetime.timedelta(seconds=60))
+    fast = shm.ShmAllReduce(comm, group, chunk_bytes=4096)
+    part = fast.share(16_136 + 999 * 4)
+    a = part[:2_501 * 4].view(torch.float32)                  # two tensors carved from it
+    b = part[2_501 * 4 + 64:2_501 * 4 + 64 + 3_001 * 2].view(torch.bfloat16)
+    gen = torch.Generator().manual_seed(7 + rank)
+    a.copy_(torch.randn(2_501, generator=gen))
+    b.copy_(torch.randn(3_001, generator=gen).bfloat16())
+    c = part[16_136:16_136 + 999 * 4].view(torch.float32)     # averaged (DDP's mean gradient)
+    c.copy_(torch.randn(999, generator=gen))
+    summed = c.clone()
+    fast.all_reduce(summed, "slots")
+    slots_c = c.clone()
+    fast.all_reduce(slots_c, "slots", op="avg")
+    fast.all_reduce(c, "in_place", op="avg")
+    slots_a, slots_b = a.clone(), b.clone()                   # the same sums through the slots
+    fast.all_reduce(slots_a, "slots")
+    fast.all_reduce(slots_b, "slots")
+    fast.all_reduce(a, "in_place")
+    fast.all_reduce(b, "in_place")
+    others = [p[:2_501 * 4].view(torch.float32).clone() for p in fast.parts]
+    return {"a": a.clone(), "b": b.clone(), "slots_a": slots_a, "slots_b": slots_b,
+            "others": others, "c": c.clone(), "slots_c": slots_c, "mean": summed / n,
+            "meter": comm.meter.snapshot()["in_place"]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensors_in_the_shared_part_sum_in_place_to_the_slots_bits(world):
+    before = set(glob.glob("/dev/shm/shardwise-*"))
+    ranks = run_world(_in_place, world, timeout=120)
+    for out in ranks:
+        assert torch.equal(out["a"], out["slots_a"]) and torch.equal(out["b"], out["slots_b"])
+        assert torch.equal(out["a"], ranks[0]["a"]) and torch.equal(out["b"], ranks[0]["b"])
+        for other in out["others"]:           # every member's copy ends as the sum too
+            assert torch.equal(other, ranks[0]["a"])
+        assert torch.equal(out["c"], out["mean"]) and torch.equal(out["slots_c"], out["mean"])
+    assert ranks[0]["meter"]["calls"] == 3
+    assert set(glob.glob("/dev/shm/shardwise-*")) == before
+
+
+def _shared_twice(rank, n):
+    fast = shm.ShmAllReduce(Comm(), Mesh.build(1, n, 1).world)
+    fast.share(64)
+    with pytest.raises(RuntimeError, match="already shared once"):
+        fast.share(64)
+    return fast._offset(torch.ones(3)) is None and fast._offset(fast.parts[rank][:8]) == 0
+
+
+def test_a_tensor_outside_the_part_goes_through_the_slots_and_share_is_once():
+    assert run_world(_shared_twice, 2, timeout=60) == [True, True]
 
 
 def _one_never_comes(rank, n):

@@ -14,14 +14,18 @@ SyncBatchNorm). In backward, gradients land in flat buckets
 gradient is accumulated its allreduce is launched asynchronously (``overlap``), with the
 backend's own allreduce, shardwise's ring or, between the ranks of one CPU host, shared memory
 (``allreduce = native | ring | shm | auto``; comm/reducer.py, comm/shm.py: the shared-memory one
-runs in the hook itself, so it overlaps nothing but takes about half gloo's time). ``step()`` waits for
-every bucket, divides by the dp size (mean gradient), then runs the optimizer on each replica.
+runs in the hook itself, so it overlaps nothing, but the buckets are allocated in its mapping
+(``_grad_storage``), so backward writes the gradients where every rank reads them and the
+all-reduce copies nothing in or out). Each reduction averages (mean gradient: the sum divided
+by the dp size). ``step()`` waits for every bucket, then runs the optimizer on each replica.
 ``clip_grad_norm_`` does that waiting first (the gradients are replicated then, so the norm needs
 no further collective) and ``step()`` does not repeat it.
 
 Memory per rank: parameters P, gradients P (the bucket buffers are the ``.grad`` storage, no
 copy), optimizer states (Adam: 2P), plus a half-size buffer per bucket with gradient compression
-and, with the shared-memory allreduce, its (N + 1) x 4 MiB region.
+and, with the shared-memory allreduce, its (N + 1) x 4 MiB region. With it the gradients are
+shared pages, and each rank reads the others' (N - 1 slices of each bucket), so its RSS counts up
+to N x 4P of gradient pages of which (N - 1) x 4P are the other ranks' (held once on the host).
 Traffic per step: one allreduce of all gradients, 2(N-1)/N * 4P bytes per rank in fp32 (half
 with bf16 / fp16 compression), plus the buffers' bytes once per forward.
 
@@ -80,13 +84,21 @@ class DDPStrategy(Strategy):
         self.compress = DTYPES.get(p.grad_compression)   # None for "none"
         self.reducer = Reducer(self.comm, self.group, p.allreduce, self.device)
         self.buckets = GradBuckets(list(self.model.named_parameters()), p.bucket_mb * 2**20,
-                                   self._on_ready)
+                                   self._on_ready, storage=self._grad_storage)
         self.model_buffers = FlatBroadcast(list(self.model.buffers()))
         self.optimizer = optimizer_factory(trainable(self.model))
         self.optimizer.zero_grad = self.zero_grad     # keep the .grad views (module docstring)
         self.optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step())
         self.optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
         self._sync, self._next, self._synced = True, 0, False
+
+    def _grad_storage(self, nbytes: int) -> torch.Tensor | None:
+        """Where the buckets live: in the shared-memory all-reduce's mapping where it serves
+        this group (the buckets then all-reduce in place: comm/shm.py), else None (ordinary
+        tensors). Asked at the first forward, on every rank alike (a collective)."""
+        if self.compress is not None or self.group.size == 1:
+            return None                  # compression reduces a low-precision copy instead
+        return self.reducer.shared_buffer(nbytes)
 
     def _broadcast_state(self) -> None:
         """Every replica starts from dp member 0's parameters and buffers (unless they were all
@@ -146,7 +158,11 @@ class DDPStrategy(Strategy):
             low.copy_(data)
             data = low
         name = "ddp_ring_all_reduce" if self.reducer.ring is not None else "ddp_all_reduce"
-        bucket.work = self.reducer.all_reduce(data, async_op=True, name=name)
+        # the mean gradient: averaged by the reduction itself (the shared-memory one divides
+        # each slice where it sums it: no pass over the whole bucket), except a compressed
+        # copy, whose sum is divided in full precision once copied back (_finish_grad_sync)
+        op = "sum" if self.compress is not None else "avg"
+        bucket.work = self.reducer.all_reduce(data, async_op=True, name=name, op=op)
 
     def _finish_grad_sync(self) -> None:
         """Launch what backward did not, wait for everything, average (once per step)."""
@@ -169,8 +185,7 @@ class DDPStrategy(Strategy):
                 bucket.work = None
                 if self.compress is not None:
                     bucket.buffer.copy_(bucket.extra["low"])
-            if n > 1:
-                bucket.buffer.div_(n)
+                    bucket.buffer.div_(n)
         if self.ft is not None:          # --ft-replicas: then over the live replica groups
             self.ft.reduce([bucket.buffer for bucket in self.buckets.buckets])
         if self.find_unused:

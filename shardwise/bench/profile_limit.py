@@ -1,0 +1,191 @@
+"""Where DDP's step goes against one process with every core: a torch.profiler trace of both.
+
+    MALLOC_MMAP_THRESHOLD_=131072 python -m shardwise.bench.profile_limit --size 57m --save
+
+The "physical limit" of data parallelism on one host (issue 35 item 3) is one process that runs
+the whole batch with all the cores (``torch.set_num_threads(cores)``): it communicates nothing.
+DDP at world N runs 1/N of the batch per rank on cores/N threads each and adds the gradient
+allreduce. This script runs both sides on the same model and global batch, through the
+same public API a user's loop calls (``shardwise.prepare``: forward, loss, ``engine.backward``,
+``engine.step``; the one-process side is the world of one, which is plain PyTorch), alternating
+sides ``--rounds`` times (A B A B), and profiles ``--steps`` steps of each with
+``torch.profiler`` (CPU activities) after two untimed ones. It reports, per side, per step:
+
+- the wall time of the step and of its phases (``forward`` = forward + loss, ``backward``,
+  ``step`` = the gradient sync's wait + the optimizer), medians over the profiled steps;
+- each operator's self time (torch's own ops, gloo's ``gloo:all_reduce`` and the
+  shared-memory allreduce's ``shm:*`` ranges, the optimizer's ``Optimizer.step#*`` range),
+  summed per step on rank 0 (every DDP rank runs the same ops on its half of the batch);
+- the difference table: operators ordered by how much more time per step DDP's rank 0 spends
+  in them than the one process, which names where the gap goes.
+
+Self time is wall time on the calling thread, so an op that runs on 2 threads in the one
+process and on 1 thread in a DDP rank shows the difference the threads make. Writes
+``profile-limit-<size>.json`` (``--save``: into shardwise/bench/results/) with the machine
+(commit, dirty flag, date, load) and, with ``--trace DIR``, a Chrome trace of each side
+(``chrome://tracing`` or https://ui.perfetto.dev).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from shardwise.bench.harness import SIZES, sized_config, threads_for
+from shardwise.config.names import Strategy
+
+PHASES = ("forward", "backward", "step")
+# ranges reported with everything they ran: the collectives and the optimizer's step
+RANGES = ("shm:", "gloo:", "Optimizer.step#")
+
+
+def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | None) -> dict:
+    """Build the sized GPT, prepare it for DDP (a world of one is plain PyTorch), train 2
+    untimed steps and ``steps`` profiled ones; per-step phase times and op self times."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import shardwise
+    from shardwise.data import build_data
+    from shardwise.models import build_model, lm_loss
+    from shardwise.run.api import optimizer_factory
+    threads_for(world)
+    cfg = sized_config(Strategy.DDP if world > 1 else Strategy.SINGLE, size, steps + 2)
+    data = build_data(cfg)
+    engine = shardwise.prepare(build_model(cfg.model, cfg.train.seed), optimizer_factory(cfg),
+                               cfg, loss_fn=lm_loss)
+    b = cfg.train.batch_size                     # the global batch; engine.shard takes our rows
+    phases: dict[str, list[float]] = defaultdict(list)
+
+    def one_step(i: int, timed: bool) -> None:
+        x, y = engine.shard(*data.batch(i, b, 0, 1))
+        marks = [time.perf_counter()]
+        with record_function("forward"):
+            loss = engine.loss_fn(engine(x), y)
+        marks.append(time.perf_counter())
+        with record_function("backward"):
+            engine.backward(loss)
+        marks.append(time.perf_counter())
+        with record_function("step"):
+            engine.step()
+        marks.append(time.perf_counter())
+        if timed:
+            for name, a, z in zip(PHASES, marks, marks[1:]):
+                phases[name].append(z - a)
+            phases["total"].append(marks[-1] - marks[0])
+
+    for i in range(2):
+        one_step(i, False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(2, steps + 2):
+            one_step(i, True)
+    if trace and rank == 0:
+        os.makedirs(trace, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(trace, f"{'ddp' if world > 1 else 'one'}-{size}.json"))
+    ops: dict[str, float] = defaultdict(float)
+    ranges: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.key.startswith(RANGES):      # whole time inside, the ops they ran included
+            ranges[ev.key] = ev.cpu_time_total / 1e6 / steps
+        if ev.key not in PHASES:
+            ops[ev.key] += ev.self_cpu_time_total / 1e6 / steps
+    engine.close()
+    return {"threads": torch.get_num_threads(), "rows_per_rank": b // world,
+            "phases": {k: statistics.median(v) for k, v in phases.items()},
+            "ops_s_per_step": dict(ops), "ranges_s_per_step": ranges}
+
+
+def _side(world: int, size: str, steps: int, trace: str | None) -> dict:
+    from shardwise.launch.world import run_world
+    return run_world(_profiled_loop, world, size, steps, trace, timeout=1800)[0]
+
+
+def difference(ddp: dict, one: dict, top: int = 12) -> list[dict]:
+    """Operators ordered by (DDP rank 0's seconds per step - the one process's), largest
+    first: where DDP's extra time goes (negative: where DDP is faster)."""
+    names = set(ddp) | set(one)
+    rows = [{"op": n, "ddp_s": ddp.get(n, 0.0), "one_s": one.get(n, 0.0),
+             "extra_s": ddp.get(n, 0.0) - one.get(n, 0.0)} for n in names]
+    rows.sort(key=lambda r: -abs(r["extra_s"]))
+    return rows[:top]
+
+
+def _median_side(runs: list[dict]) -> dict:
+    """Per-key medians over the rounds of one side."""
+    keys = set().union(*(r["ops_s_per_step"] for r in runs))
+    return {"threads": runs[0]["threads"], "rows_per_rank": runs[0]["rows_per_rank"],
+            "phases": {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]},
+            "phase_runs": {k: [r["phases"][k] for r in runs] for k in runs[0]["phases"]},
+            "ops_s_per_step": {k: statistics.median(r["ops_s_per_step"].get(k, 0.0) for r in runs)
+                               for k in keys},
+            "ranges_s_per_step": {k: statistics.median(r["ranges_s_per_step"].get(k, 0.0)
+                                                       for r in runs)
+                                  for k in set().union(*(r["ranges_s_per_step"] for r in runs))}}
+
+
+def _table(result: dict) -> str:
+    d, o = result["ddp"], result["one"]
+    lines = ["| phase | DDP rank 0 (s) | one process (s) | DDP - one (s) |", "|---|---|---|---|"]
+    for k in (*PHASES, "total"):
+        lines.append(f"| {k} | {d['phases'][k]:.3f} | {o['phases'][k]:.3f} | "
+                     f"{d['phases'][k] - o['phases'][k]:+.3f} |")
+    lines += ["", "| range (with what it ran) | DDP rank 0 (s/step) | one process (s/step) |",
+              "|---|---|---|"]
+    for k in sorted(set(d["ranges_s_per_step"]) | set(o["ranges_s_per_step"])):
+        lines.append(f"| `{k}` | {d['ranges_s_per_step'].get(k, 0.0):.3f} | "
+                     f"{o['ranges_s_per_step'].get(k, 0.0):.3f} |")
+    lines += ["", "| operator (self time) | DDP rank 0 (s/step) | one process (s/step) | DDP - one |",
+              "|---|---|---|---|"]
+    for r in result["difference"]:
+        lines.append(f"| `{r['op']}` | {r['ddp_s']:.3f} | {r['one_s']:.3f} | {r['extra_s']:+.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m shardwise.bench.profile_limit",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="57m", choices=sorted(SIZES),
+                    help="the scaling family's model (bench/harness.py SIZES)")
+    ap.add_argument("--world", type=int, default=2, help="DDP ranks (default 2)")
+    ap.add_argument("--steps", type=int, default=4, help="profiled steps per run (default 4)")
+    ap.add_argument("--rounds", type=int, default=2, help="A B rounds (default 2)")
+    ap.add_argument("--trace", metavar="DIR", help="write a Chrome trace of each side there")
+    ap.add_argument("--save", action="store_true", help="write into shardwise/bench/results/")
+    a = ap.parse_args(argv)
+    for field, value in (("--world", a.world), ("--steps", a.steps), ("--rounds", a.rounds)):
+        if value < 1 or (field == "--world" and value < 2):
+            print(f"profile_limit: {field} {value}: must be at least "
+                  f"{2 if field == '--world' else 1}", file=sys.stderr)
+            return 2
+    from shardwise.bench.run import machine
+    runs: dict[str, list[dict]] = {"ddp": [], "one": []}
+    t0 = time.perf_counter()
+    for i in range(a.rounds):
+        for side, world in (("ddp", a.world), ("one", 1)):
+            print(f"round {i + 1}/{a.rounds}: {side} (world {world})", file=sys.stderr, flush=True)
+            runs[side].append(_side(world, a.size, a.steps, a.trace if i == 0 else None))
+    result = {"size": a.size, "world": a.world, "steps": a.steps, "rounds": a.rounds,
+              "cores": os.cpu_count(), "ddp": _median_side(runs["ddp"]),
+              "one": _median_side(runs["one"]), "seconds": time.perf_counter() - t0}
+    result["difference"] = difference(result["ddp"]["ops_s_per_step"], result["one"]["ops_s_per_step"])
+    result["step_ratio"] = result["one"]["phases"]["total"] / result["ddp"]["phases"]["total"]
+    result["table"] = _table(result)
+    result["machine"] = machine()
+    out_dir = (os.path.join(os.path.dirname(__file__), "results") if a.save else
+               os.environ.get("TMPDIR", "/tmp"))
+    path = os.path.join(out_dir, f"profile-limit-{a.size}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(result["table"])
+    print(f"DDP world {a.world} steps at {result['step_ratio']:.3f}x the one process's speed "
+          f"(one-process step / DDP step); written {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
