@@ -168,6 +168,13 @@ class MemoryConfig:
                               "shards and reduced gradients live there too (ZeRO-Infinity), "
                               "gathered into a unit's full parameters only while it computes; "
                               "disk reads are prefetched and writes run in the background")
+    offload_sync: str = _f("auto", "offload=disk: when written state reaches the disk. always ="
+                           " each chunk synced as soon as it is written back, so dirty pages "
+                           "never pile up (what a state bigger than RAM needs); kernel = left to "
+                           "the kernel's writeback, which writes a page rewritten every step "
+                           "about once per expiry interval; auto = kernel where this machine's "
+                           "offloaded state fits in a quarter of the memory available at start, "
+                           "else always", ("auto", "always", "kernel"))
     activation_checkpointing: bool = _f(False, "recompute each block's activations in backward")
     compile: bool = _f(False, "torch.compile the forward of each of this rank's transformer "
                        "blocks (TorchInductor; module hooks, checkpointing and the gradient "

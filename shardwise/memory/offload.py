@@ -14,7 +14,8 @@
            from this process's memory, both on one background thread
            (shardwise/memory/offload_io.py), so resident memory holds only the chunks in use
            and the disk works while the training thread computes (ZeRO-Infinity's NVMe tier,
-           in miniature). :meth:`drain` waits for the disk; the kernel's page cache may still
+           in miniature). Written chunks are synced to the disk at once, or left to the
+           kernel's writeback where the state fits well within memory (:meth:`plan_writes`). :meth:`drain` waits for the disk; the kernel's page cache may still
            keep the file's pages, which are not part of this process's resident set and are
            given up under memory pressure.
 
@@ -48,7 +49,7 @@ import os
 
 import torch
 
-from shardwise.memory.offload_io import DiskIO, Region, discard, map_file
+from shardwise.memory.offload_io import DiskIO, Region, discard, map_file, sync_needed
 
 PLACES = ("none", "cpu", "disk")
 
@@ -70,6 +71,18 @@ class OffloadStore:
         self.io = DiskIO() if place == "disk" else None
         if place == "disk" and directory:
             os.makedirs(directory, exist_ok=True)
+
+    def plan_writes(self, setting: str, host_bytes: int) -> None:
+        """Disk: whether each written-back chunk is synced at once or left to the kernel's
+        writeback (``memory.offload_sync``; ``host_bytes``: what every rank on this machine
+        offloads, for ``auto``: shardwise/memory/offload_io.py ``sync_needed``)."""
+        if self.io is not None:
+            self.io.sync = sync_needed(setting, host_bytes)
+
+    @property
+    def syncs(self) -> bool | None:
+        """Disk: True when written chunks are synced at once; None elsewhere."""
+        return self.io.sync if self.io is not None else None
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32, pin: bool = False
               ) -> torch.Tensor:

@@ -19,8 +19,12 @@ while the training thread computes:
     write_back(regions)   drop the pages from this process at once, on the calling thread
                           (``MADV_DONTNEED``, which only unmaps: for a shared file mapping a
                           dirty page goes to the kernel's page cache with its data, and a later
-                          touch reads it back), then, when ``written``, the writer writes the
-                          file's dirty pages to the disk (``msync(MS_SYNC)``)
+                          touch reads it back), then, when ``written`` and :attr:`DiskIO.sync`,
+                          the writer writes the file's dirty pages to the disk
+                          (``msync(MS_SYNC)``); without ``sync`` the kernel's own writeback
+                          writes them when they expire or memory runs short (a page rewritten
+                          every step is then written about once per expiry interval, not once
+                          a step: ``memory.offload_sync``, decided by :func:`sync_needed`)
 
 Two threads, so a read-ahead never waits behind a slow write; dropping first, so resident
 memory falls as soon as a chunk is done with, however far the disk lags. Both are calls into libc through
@@ -148,8 +152,37 @@ class _Queue:
             self.pending.popleft().result()
 
 
+def available_memory() -> int:
+    """Bytes of memory available to start new work (``MemAvailable``; else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * PAGE
+
+
+def sync_needed(setting: str, host_bytes: int, available: int | None = None) -> bool:
+    """``memory.offload_sync``: sync each written chunk (True) or leave it to the kernel's
+    writeback (False). ``auto``: sync when ``host_bytes`` (the offloaded state of every rank on
+    this machine) exceeds a quarter of the available memory, so the page cache could not hold
+    it beside the training's own memory and the kernel's dirty-page limits would stall the
+    training thread instead of the writer."""
+    if setting == "always":
+        return True
+    if setting == "kernel":
+        return False
+    if setting != "auto":
+        raise ValueError(f"offload_sync {setting!r}: one of auto, always, kernel")
+    return host_bytes > (available if available is not None else available_memory()) // 4
+
+
 class DiskIO:
     """The disk tier's reader and writer threads (module docstring)."""
+
+    sync: bool = True     # write each written-back chunk at once (else the kernel's writeback)
 
     def __init__(self, max_pending: int = 4):
         self._reader = _Queue("offload-read", max_pending)
@@ -168,7 +201,7 @@ class DiskIO:
         may have changed since the last write-back)."""
         if regions:
             drop(regions)
-            if written:
+            if written and self.sync:
                 with self._lock:
                     self._writer.submit(sync, regions)
 

@@ -115,9 +115,13 @@ def rows(cfg: Config, strategy, x: torch.Tensor | None) -> list[tuple[str, int, 
         off_device = ledger.get("on_disk", 0) if m.offload == "disk" else (
             sum(ledger.get(k, 0) for k in host) if strategy.device.type == "cuda" else 0)
         what = "masters, optimizer states" + (", parameter and gradient shards" if params else "")
+        store = getattr(strategy, "store", None)
+        syncs = store.syncs if store is not None else None
+        writes = ("" if syncs is None else "; written chunks synced to the disk at once" if syncs
+                  else "; written chunks left to the kernel's writeback (--offload-sync)")
         out.append((f"offload ({m.offload})", off_device, f"{what} off the device"
                     + ("" if off_device or m.offload == "disk" else
-                       " (a CPU run: host memory is the device)")))
+                       " (a CPU run: host memory is the device)") + writes))
     return out
 
 

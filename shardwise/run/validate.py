@@ -205,6 +205,10 @@ def _positive(cfg: Config) -> None:
         raise ConfigError("model.dropout", cfg.model.dropout, "must be in [0, 1)", "try 0.0")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError("data.val_fraction", cfg.data.val_fraction, "must be in (0, 1)", "try 0.05")
+    if cfg.memory.offload_sync != "auto" and cfg.memory.offload != "disk":
+        raise ConfigError("memory.offload_sync", cfg.memory.offload_sync, "says when disk "
+                          f"offload's writes reach the disk, and this run has offload "
+                          f"{cfg.memory.offload}", "add --offload disk, or drop --offload-sync")
     if cfg.train.checkpoint_async and cfg.memory.offload == "disk":
         raise ConfigError("train.checkpoint_async", True, "with --offload disk each rank writes "
                           "its checkpoint straight from its offload files; a background save "

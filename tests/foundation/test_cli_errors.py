@@ -209,3 +209,13 @@ def test_offload_dir_without_room_is_refused_with_the_bytes_needed(tmp_path, mon
     assert f"needs {needed:,} bytes" in err and "has 4,096 free" in err and "fix:" in err
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
     assert main(["train", *argv, "--print-config"]) == 0              # room: it goes ahead
+
+
+def test_offload_sync_without_disk_offload_is_refused(tmp_path, capsys):
+    """``--offload-sync`` says when disk offload's writes reach the disk: without ``--offload
+    disk`` it would change nothing, so it is refused in one line naming the field."""
+    assert main(["train", "--strategy", "zero3", "--offload", "cpu", "--offload-sync", "kernel",
+                 "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: memory.offload_sync = 'kernel'")
+    assert "offload cpu" in err and "fix:" in err

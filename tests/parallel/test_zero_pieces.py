@@ -181,3 +181,66 @@ def test_a_failed_background_write_is_raised_by_drain(tmp_path, monkeypatch):
         store.drain()
     assert exc.value.errno == errno.EIO and "shardwise-rank0-" in exc.value.filename
     assert t.sum().item() == 300.0          # the data stayed in the file's pages
+
+
+def test_offload_sync_auto_syncs_only_a_state_beyond_a_quarter_of_memory():
+    from shardwise.memory.offload_io import sync_needed
+    gib = 2**30
+    assert sync_needed("auto", 7 * gib, available=24 * gib) is True        # 3.2B-like state
+    assert sync_needed("auto", 1 * gib, available=24 * gib) is False       # 57M-like state
+    assert sync_needed("always", 1, available=24 * gib) is True
+    assert sync_needed("kernel", 100 * gib, available=24 * gib) is False
+    with pytest.raises(ValueError, match="one of auto, always, kernel"):
+        sync_needed("sometimes", 1)
+
+
+def test_left_to_the_kernel_a_written_chunk_is_dropped_but_not_synced(tmp_path, monkeypatch):
+    """``kernel``: write_back drops the pages from the process (resident memory falls as with
+    ``always``) and asks the writer for nothing; the data stays in the file's pages."""
+    from shardwise.memory import offload_io
+    calls = []
+    monkeypatch.setattr(offload_io, "sync", lambda regions: calls.append(len(regions)))
+    for setting, synced in (("always", [1]), ("kernel", [])):
+        calls.clear()
+        store = OffloadStore("disk", torch.device("cpu"), str(tmp_path))
+        store.plan_writes(setting, 1)
+        t = store.zeros(1000)
+        t.fill_(2.0)
+        store.release([t])
+        store.drain()
+        assert calls == synced and store.syncs is (setting == "always")
+        assert t.sum().item() == 2000.0
+        store.close()
+
+
+def test_zero3_offload_params_sync_settings_train_bit_identically(tmp_path):
+    """The run's decision is reported by the store, and where writes reach the disk changes
+    nothing the training computes: ZeRO-3 with parameters on disk, always against kernel."""
+    from harness import run_world
+    outs = [run_world(_offload_sync_run, 2, setting, str(tmp_path / setting), timeout=180)
+            for setting in ("always", "kernel")]
+    assert [o[0]["syncs"] for o in outs] == [True, False]
+    assert outs[0][0]["losses"] == outs[1][0]["losses"]
+    for a, b in zip(outs[0][0]["params"], outs[1][0]["params"]):
+        assert torch.equal(a, b)
+
+
+def _offload_sync_run(rank, world, setting, folder):
+    from dataclasses import replace
+    from shardwise.bench.harness import gpt_bench_config
+    from shardwise.data import build_data
+    from shardwise.models import build_model, lm_loss
+    from shardwise.run.api import optimizer_factory
+    import shardwise
+    cfg = gpt_bench_config("zero3")
+    cfg = replace(cfg, memory=replace(cfg.memory, offload="disk", offload_params=True,
+                                      offload_dir=folder, offload_sync=setting),
+                  model=replace(cfg.model, n_layer=2, n_embd=64, n_head=2))
+    data = build_data(cfg)
+    engine = shardwise.prepare(build_model(cfg.model, 0), optimizer_factory(cfg), cfg,
+                               loss_fn=lm_loss)
+    losses = [engine.train_step(*engine.shard(*data.batch(i, 8, 0, 1))) for i in range(3)]
+    params = [p.detach().clone() for p in engine.full_state_dict().values()]
+    syncs = engine.strategy.store.syncs
+    engine.close()
+    return {"losses": losses, "params": params, "syncs": syncs}

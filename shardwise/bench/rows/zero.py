@@ -129,19 +129,22 @@ def zero3_memory(rank, world, **args):
     return _memory_side(Strategy.ZERO3, rank, world, **args)
 
 
-def zero3_offload_params_memory(rank, world, offload="disk", **args):
+def zero3_offload_params_memory(rank, world, offload="disk", offload_sync="auto", **args):
     """ZeRO-3 at 57M with parameters, gradients, masters and Adam states offloaded
-    (``--offload disk --offload-params``); ``extra`` adds what the row's goal is about: the
-    bytes offloaded (the ledger's ``on_disk``) and the peaks of prepare and of training. Built
-    on the meta device (``shardwise train``'s default), so prepare holds one unit at a time."""
+    (``--offload disk --offload-params``, ``--offload-sync``); ``extra`` adds what the row's
+    goal is about: the bytes offloaded (the ledger's ``on_disk``) and the peaks of prepare and
+    of training. Built on the meta device (``shardwise train``'s default), so prepare holds one
+    unit at a time."""
     out = _memory_side(Strategy.ZERO3, rank, world, memory={"offload": offload,
-                                                     "offload_params": True}, init="meta",
-                       **args)
+                                                     "offload_params": True,
+                                                     "offload_sync": offload_sync},
+                       init="meta", **args)
     return _phases(out)
 
 
-def zero3_memory_phases(rank, world, **args):
-    """ZeRO-3 at 57M without offload, built on the meta device as its offloaded side is."""
+def zero3_memory_phases(rank, world, offload_sync=None, **args):
+    """ZeRO-3 at 57M without offload, built on the meta device as its offloaded side is
+    (``offload_sync`` is the offloaded side's: nothing here writes to a disk)."""
     return _phases(_memory_side(Strategy.ZERO3, rank, world, init="meta", **args))
 
 
@@ -199,6 +202,12 @@ ROWS = [
         world=2, args={"steps": 4, "batch": 4}, quick_args={"steps": 3},
         goal="throughput >= 0.85x; peak RSS below by >= 0.9 x the offloaded bytes",
         peer_name="shardwise ZeRO-3 without offload"),
+    # the same with every written chunk synced to the disk at once (what a state bigger than
+    # RAM runs with; at 57M --offload-sync auto leaves the writes to the kernel)
+    Row("zero3-offload-params-disk-sync-vs-none", zero3_offload_params_memory, zero3_memory_phases,
+        world=2, args={"steps": 4, "batch": 4, "offload_sync": "always"},
+        quick_args={"steps": 3}, goal="throughput >= 0.85x; peak RSS below by >= 0.9 x the "
+        "offloaded bytes", peer_name="shardwise ZeRO-3 without offload"),
     Row("zero3-offload-disk-vs-none", zero3_big, zero3_big_no_offload, world=2,
         args={"offload": "disk"}, goal="peak memory drops (ratio < 1), throughput cost stated",
         peer_name="shardwise ZeRO-3 without offload"),

@@ -191,6 +191,17 @@ class ZeroStrategy(Strategy):
             self.chunks.append(c)
         self._build_optimizer()
 
+    def _plan_disk_writes(self, elements: int) -> None:
+        """Disk offload: sync written chunks at once or leave them to the kernel
+        (``memory.offload_sync``), from what this machine's ranks offload: ``elements``
+        trainable elements x the bytes each keeps on disk / the shard group x the ranks here
+        (torchrun's LOCAL_WORLD_SIZE, else the whole world)."""
+        import os
+        from shardwise.memory.checks import offload_bytes_per_element
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", self.mesh.world_size))
+        per_rank = elements * offload_bytes_per_element(self.cfg) // self.group.size
+        self.store.plan_writes(self.cfg.memory.offload_sync, per_rank * here)
+
     def _adopt(self, model: nn.Module, optimizer_factory) -> list[nn.Parameter]:
         """Take the model, start every rank from dp rank 0's state (unless every rank made it
         from the seed: ``deterministic_start``), learn the user's parameter groups; return the
@@ -205,6 +216,7 @@ class ZeroStrategy(Strategy):
             broadcast_coalesced(self.comm, [*self.model.parameters(), *self.model.buffers()], 0,
                                 self.mesh.grad_group, name="zero_broadcast")
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self._plan_disk_writes(sum(p.numel() for _, p in named))
         self._groups = ParamGroups.probe(optimizer_factory, named)
         self.frozen = [p for p in self.model.parameters() if not p.requires_grad]
         if self.dtype != torch.float32:        # frozen weights and float buffers join the
