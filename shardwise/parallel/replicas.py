@@ -34,7 +34,8 @@ survivors form a new quorum for the same step and redo it on their new shares (n
 none is applied twice). A synced group left out of a quorum (its heartbeat stopped for a while)
 leaves with an error; its launcher restarts it. A group that (re)starts joins at a step
 boundary: the lowest-id synced member sends it its state over the new link, lane by lane (the
-strategy's state dict and the RNG state of in-group rank r go to in-group rank r: DDP's whole
+strategy's state dict, the RNG state and the fp16 loss scaler of in-group rank r go to in-group
+rank r: DDP's whole
 state of its tp slice and stage, ZeRO's shard r of the masters and the optimizer state, whose
 load then all-gathers the parameters inside the joining group), and it continues from that
 member's step, so every replica's parameters are bit-identical afterwards. Whenever a decision
@@ -238,10 +239,14 @@ class ReplicaGroups:
         return bool(flag.item() > 0)
 
     def _state(self) -> dict:
-        return {"strategy": self.strategy.state_dict(), "rng": torch.get_rng_state()}
+        """What a joining group takes: the strategy's state (rank r's), the RNG and the fp16
+        loss scaler (its scale and clean-step count: every group scales alike)."""
+        return {"strategy": self.strategy.state_dict(), "rng": torch.get_rng_state(),
+                "scaler": self.strategy.scaler.state_dict()}
 
     def _load(self, state: dict) -> None:
         self.strategy.load_state_dict(state["strategy"])
+        self.strategy.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])
 
     # -- the cross-group reduction (the component's _finish_grad_sync calls it) -------------

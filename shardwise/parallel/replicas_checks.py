@@ -81,8 +81,9 @@ def check(cfg: Config, world_size: int, dp: int) -> None:
 
 def _not_built(cfg: Config, r: int) -> None:
     """Layouts inside a group that replica groups do not serve yet (docs/checkpoints.md). DDP
-    and ZeRO stages 1-3 over the group's dp ranks are served, with tensor parallelism (--tp)
-    and a pipeline (--pp) inside the group too (parallel/replicas.py)."""
+    and ZeRO stages 1-3 over the group's dp ranks are served, with tensor parallelism (--tp),
+    a pipeline (--pp) and offload (--offload cpu|disk, --offload-params) inside the group too
+    (parallel/replicas.py)."""
     p, m = cfg.parallel, cfg.memory
     flags = {f"--{a}": getattr(p, a) for a in ("cp",) if getattr(p, a) > 1}
     flags.update({f"--{a.replace('_', '-')}": getattr(p, a) for a in ("dp_shard", "dp_replicate")
@@ -92,12 +93,6 @@ def _not_built(cfg: Config, r: int) -> None:
                 + " are not built yet (DDP or ZeRO-1/2/3, with --tp / --pp, inside each "
                 "group is)",
                 "drop " + " and ".join(flags) + ", or drop --ft-replicas")
-    if zero_stage(cfg) > 0 and (m.offload != "none" or m.offload_params):
-        _refuse(r, "replica groups of ZeRO with --offload / --offload-params are not built yet",
-                "use --offload none, or drop --ft-replicas")
-    if m.mixed_precision == "fp16":
-        _refuse(r, "fp16's loss scaler skips steps per group, and the groups would diverge "
-                "(not built yet)", "use --mixed-precision bf16 or no")
     t = cfg.train
     for name, value in (("checkpoint_async", t.checkpoint_async),
                         ("checkpoint_move_last", t.checkpoint_move_last)):
