@@ -68,6 +68,10 @@ def check(cfg: Config, world_size: int, dp: int) -> None:
                 "size, or change --nproc-per-node / --dp")
     _not_built(cfg, r)
     group = whole // r
+    shard = cfg.parallel.dp_shard
+    if shard and group % shard:
+        _refuse(r, f"--dp-shard {shard} does not divide a group's data-parallel size {group} "
+                f"({whole} / {r} groups)", f"give a divisor of {group}")
     m = cfg.parallel.num_microbatches if cfg.parallel.pp > 1 else 1   # a pipeline's pieces
     per = cfg.memory.grad_accum * group * m
     lcm = math.lcm(*range(1, r + 1)) * per
@@ -82,16 +86,19 @@ def check(cfg: Config, world_size: int, dp: int) -> None:
 def _not_built(cfg: Config, r: int) -> None:
     """Layouts inside a group that replica groups do not serve yet (docs/checkpoints.md). DDP
     and ZeRO stages 1-3 over the group's dp ranks are served, with tensor parallelism (--tp),
-    a pipeline (--pp) and offload (--offload cpu|disk, --offload-params) inside the group too
-    (parallel/replicas.py)."""
+    a pipeline (--pp), offload (--offload cpu|disk, --offload-params) and HSDP (--dp-shard: the
+    shard size inside each group) inside the group too (parallel/replicas.py)."""
     p, m = cfg.parallel, cfg.memory
+    if p.dp_replicate:
+        _refuse(r, f"--dp-replicate {p.dp_replicate} under replica groups: the groups are the "
+                "outer replicas (each averages its shards with the others' every step)",
+                "give --dp-shard S alone (HSDP inside each group: the group's dp ranks form "
+                "dp / R / S replicas of S-rank shard groups), or drop --ft-replicas")
     flags = {f"--{a}": getattr(p, a) for a in ("cp",) if getattr(p, a) > 1}
-    flags.update({f"--{a.replace('_', '-')}": getattr(p, a) for a in ("dp_shard", "dp_replicate")
-                  if getattr(p, a)})       # HSDP inside a group
     if flags:
         _refuse(r, "replica groups of " + " / ".join(f"{f} {v}" for f, v in flags.items())
-                + " are not built yet (DDP or ZeRO-1/2/3, with --tp / --pp, inside each "
-                "group is)",
+                + " are not built yet (DDP or ZeRO-1/2/3, with --tp, --pp, --dp-shard, "
+                "offload or fp16, inside each group is)",
                 "drop " + " and ".join(flags) + ", or drop --ft-replicas")
     t = cfg.train
     for name, value in (("checkpoint_async", t.checkpoint_async),

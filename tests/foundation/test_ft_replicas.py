@@ -155,6 +155,9 @@ RETAKE_LAYOUTS = {
     "pp": ("pp", {"pp": 2, "num_microbatches": 2}),
     "pp-zero1": ("pp", {"pp": 2, "num_microbatches": 2, "zero_stage": 1}),
     "pp-zero3": ("pp", {"pp": 2, "num_microbatches": 2, "zero_stage": 3}),
+    # HSDP inside a group (dp 4 = 2 replicas x 2-rank shard groups): the hook sees the shards
+    # after the replica all-reduce
+    "hsdp-zero2": ("zero2", {"dp_shard": 2}), "hsdp-zero3": ("zero3", {"dp_shard": 2}),
     # offloaded state inside a group: the hook averages shards that live in the store
     "zero2-offload-cpu": ("zero2", {"memory": {"offload": "cpu"}}),
     "zero3-offload-disk-params": ("zero3", {"memory": {"offload": "disk",
@@ -166,7 +169,7 @@ RETAKE_LAYOUTS = {
 }
 RETAKE_WORLDS = {2: ("ddp", "zero1", "zero2", "zero3", "zero2-offload-cpu",
                      "zero3-offload-disk-params", "ddp-fp16", "zero2-fp16"),
-                 4: ("tp", "tp-zero2", "pp", "pp-zero1", "pp-zero3")}
+                 4: ("tp", "tp-zero2", "pp", "pp-zero1", "pp-zero3", "hsdp-zero2", "hsdp-zero3")}
 
 
 def _retake_steps(rank: int, n: int, layouts: tuple[str, ...]) -> dict:
@@ -241,8 +244,10 @@ def test_a_failed_vote_leaves_every_stage_ready_to_retake_the_step(world):
      "replica groups of --cp 2 are not built yet"),
     (["--nproc-per-node", "6", "--pp", "2", "--num-microbatches", "2", "--ft-replicas", "3",
       "--batch-size", "6"], "x 1 rank(s) x grad_accum 1 x 2 micro-batches"),
-    (["--strategy", "zero2", "--nproc-per-node", "4", "--dp-shard", "1", "--ft-replicas", "2",
-      "--batch-size", "8"], "replica groups of --dp-shard 1 are not built yet"),
+    (["--strategy", "zero2", "--nproc-per-node", "4", "--dp-replicate", "2", "--ft-replicas",
+      "2", "--batch-size", "8"], "--dp-replicate 2 under replica groups: the groups are the"),
+    (["--strategy", "zero2", "--nproc-per-node", "8", "--dp-shard", "8", "--ft-replicas", "2",
+      "--batch-size", "16"], "--dp-shard 8 does not divide a group's data-parallel size 4"),
     (["--nproc-per-node", "3", "--ft-replicas", "3", "--batch-size", "9"],
      "does not split into equal shares"),
     (["--nproc-per-node", "2", "--ft-replicas", "2", "--batch-size", "8", "--checkpoint-dir",
@@ -419,6 +424,21 @@ def test_fp16_groups_rejoin_with_the_loss_scale(tmp_path):
     scales = [s_["loss_scale"] for s_ in summaries]
     assert len({s_["loss_scale"] for s_ in scales}) == 1, scales
     assert scales[0]["skipped_steps"] == scales[1]["skipped_steps"], scales
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hsdp_groups_rejoin_with_their_shards(tmp_path):
+    """HSDP inside each of 2 groups of 4 ranks (world 8, ZeRO-2, --dp-shard 2: 2 replicas of
+    2-rank shard groups per group): the lane of in-group rank r averages the shards the replica
+    all-reduce left on it, group 1 is SIGKILLed at step 20 and rejoins rank r from rank r, and
+    at step 60 both groups' final weights are bit-identical, every loss within rtol 1e-5 of one
+    process (the ZeRO test's reasons). ``-m slow``: 8 processes on this machine's 2 cores."""
+    flags = [*_zero_flags(2), "--dp-shard", "2"]
+    run = _run_killed(tmp_path, flags, nproc=8, groups=2, killed=1)
+    reference = _reference([f for i, f in enumerate(flags)
+                            if f != "--dp-shard" and not (i and flags[i - 1] == "--dp-shard")])
+    _check_killed_run(run, groups=2, ranks=4, killed=1, reference=reference, rtol=1e-5)
 
 
 def _axis_flags(axis: str) -> list[str]:
