@@ -172,9 +172,10 @@ class ReplicaGroups:
             time.sleep(max(0.0, self.pace - (time.monotonic() - began)))
         if len(d.members) == 1:     # the group's own mean is the global one
             return loss, x, y
-        if g == 1:
+        if g == 1 and self.strategy.mesh.cp == 1:      # one lane's loss covers the group's
             return float(self.loss), x, y
-        return self.strategy.reduce_mean(self.loss), x, y    # the lanes' means, over the group
+        # the lanes' means, over the group's dp ranks and, under --cp, their sequence parts
+        return self.strategy.reduce_mean(self.loss), x, y
 
     def _round(self, step: int, stop: int) -> Decision | None:
         """This step's decision (the join's, or a new round); None: take another round."""

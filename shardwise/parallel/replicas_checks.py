@@ -86,20 +86,15 @@ def check(cfg: Config, world_size: int, dp: int) -> None:
 def _not_built(cfg: Config, r: int) -> None:
     """Layouts inside a group that replica groups do not serve yet (docs/checkpoints.md). DDP
     and ZeRO stages 1-3 over the group's dp ranks are served, with tensor parallelism (--tp),
-    a pipeline (--pp), offload (--offload cpu|disk, --offload-params) and HSDP (--dp-shard: the
-    shard size inside each group) inside the group too (parallel/replicas.py)."""
+    a pipeline (--pp), context parallelism (--cp), offload (--offload cpu|disk,
+    --offload-params), fp16 and HSDP (--dp-shard: the shard size inside each group) inside the
+    group too (parallel/replicas.py)."""
     p, m = cfg.parallel, cfg.memory
     if p.dp_replicate:
         _refuse(r, f"--dp-replicate {p.dp_replicate} under replica groups: the groups are the "
                 "outer replicas (each averages its shards with the others' every step)",
                 "give --dp-shard S alone (HSDP inside each group: the group's dp ranks form "
                 "dp / R / S replicas of S-rank shard groups), or drop --ft-replicas")
-    flags = {f"--{a}": getattr(p, a) for a in ("cp",) if getattr(p, a) > 1}
-    if flags:
-        _refuse(r, "replica groups of " + " / ".join(f"{f} {v}" for f, v in flags.items())
-                + " are not built yet (DDP or ZeRO-1/2/3, with --tp, --pp, --dp-shard, "
-                "offload or fp16, inside each group is)",
-                "drop " + " and ".join(flags) + ", or drop --ft-replicas")
     t = cfg.train
     for name, value in (("checkpoint_async", t.checkpoint_async),
                         ("checkpoint_move_last", t.checkpoint_move_last)):

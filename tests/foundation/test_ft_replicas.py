@@ -158,6 +158,8 @@ RETAKE_LAYOUTS = {
     # HSDP inside a group (dp 4 = 2 replicas x 2-rank shard groups): the hook sees the shards
     # after the replica all-reduce
     "hsdp-zero2": ("zero2", {"dp_shard": 2}), "hsdp-zero3": ("zero3", {"dp_shard": 2}),
+    # context parallelism inside a group (dp 2 x cp 2): every sequence cut over the cp ranks
+    "cp": ("ddp", {"cp": 2}), "cp-zero2": ("zero2", {"cp": 2}),
     # offloaded state inside a group: the hook averages shards that live in the store
     "zero2-offload-cpu": ("zero2", {"memory": {"offload": "cpu"}}),
     "zero3-offload-disk-params": ("zero3", {"memory": {"offload": "disk",
@@ -169,7 +171,8 @@ RETAKE_LAYOUTS = {
 }
 RETAKE_WORLDS = {2: ("ddp", "zero1", "zero2", "zero3", "zero2-offload-cpu",
                      "zero3-offload-disk-params", "ddp-fp16", "zero2-fp16"),
-                 4: ("tp", "tp-zero2", "pp", "pp-zero1", "pp-zero3", "hsdp-zero2", "hsdp-zero3")}
+                 4: ("tp", "tp-zero2", "pp", "pp-zero1", "pp-zero3", "hsdp-zero2", "hsdp-zero3",
+                     "cp", "cp-zero2")}
 
 
 def _retake_steps(rank: int, n: int, layouts: tuple[str, ...]) -> dict:
@@ -240,8 +243,6 @@ def test_a_failed_vote_leaves_every_stage_ready_to_retake_the_step(world):
      "does not divide the data-parallel size 3"),
     (["--strategy", "ps", "--nproc-per-node", "3", "--ft-replicas", "2"],
      "the parameter server handles a lost worker itself"),
-    (["--nproc-per-node", "4", "--cp", "2", "--ft-replicas", "2", "--batch-size", "8"],
-     "replica groups of --cp 2 are not built yet"),
     (["--nproc-per-node", "6", "--pp", "2", "--num-microbatches", "2", "--ft-replicas", "3",
       "--batch-size", "6"], "x 1 rank(s) x grad_accum 1 x 2 micro-batches"),
     (["--strategy", "zero2", "--nproc-per-node", "4", "--dp-replicate", "2", "--ft-replicas",
@@ -273,7 +274,7 @@ def _reference(flags: list[str]) -> list[float]:
     from shardwise.run.runtime import init_runtime
     from shardwise.run.train import train
     layout = ("--strategy", "--bucket-mb", "--tp", "--pp",     # the flag and its value
-              "--num-microbatches")                             # both dropped
+              "--num-microbatches", "--cp")                     # both dropped
     plain = [f for i, f in enumerate(flags)
              if f not in layout and not (i and flags[i - 1] in layout)]
     cfg, _ = cli.parse_config([*plain, "--strategy", "single", "--out-dir",
@@ -442,9 +443,11 @@ def test_hsdp_groups_rejoin_with_their_shards(tmp_path):
 
 
 def _axis_flags(axis: str) -> list[str]:
-    """FLAGS with ``axis`` (tp or pp) of 2 inside each group of 2 ranks (DDP over the group's
-    dp of 1), a batch of 8 (equal shares for 1 or 2 groups; under pp 2 micro-batches each)."""
-    extra = ["--tp", "2"] if axis == "tp" else ["--pp", "2", "--num-microbatches", "2"]
+    """FLAGS with ``axis`` (tp, pp or cp) of 2 inside each group of 2 ranks (DDP over the
+    group's dp of 1), a batch of 8 (equal shares for 1 or 2 groups; under pp 2 micro-batches
+    each)."""
+    extra = {"tp": ["--tp", "2"], "pp": ["--pp", "2", "--num-microbatches", "2"],
+             "cp": ["--cp", "2"]}[axis]
     flags = [*FLAGS[2:], *extra]
     flags[flags.index("--batch-size") + 1] = "8"
     return flags
@@ -452,18 +455,20 @@ def _axis_flags(axis: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("axis", ["tp", "pp"])
+@pytest.mark.parametrize("axis", ["tp", "pp", "cp"])
 def test_tp_and_pp_groups_rejoin_with_their_pieces(tmp_path, axis):
-    """Tensor parallelism (tp 2) or a pipeline (pp 2) inside each of 2 groups of 2 ranks
-    (world 4): the groups average, lane by lane, in-group rank r's gradients (its tp slice,
-    or its stage's parameters after the flush) over the live groups; group 1's rank 0 is
+    """Tensor parallelism (tp 2), a pipeline (pp 2) or context parallelism (cp 2, ring
+    attention: every sequence cut over the group's two ranks) inside each of 2 groups of 2
+    ranks (world 4): the groups average, lane by lane, in-group rank r's gradients (its tp
+    slice, its stage's parameters after the flush, or under cp the gradients the group's
+    dp x cp reduction left whole on every rank) over the live groups; group 1's rank 0 is
     SIGKILLed at step 20, torchrun restarts both of its ranks, and in-group rank r rejoins
     with rank r's state of group 0 (its slice, its stage). Group 0's two processes keep their
     pids and step alone from step 20; group 1 is back by step 40; at step 60 both groups'
     final.safetensors (the whole model, gathered over tp or the stages) are bit-identical.
-    Both with ``-m slow``: each takes 74-79 s here (the 60 paced steps are 45 s of it), over
+    All with ``-m slow``: each takes 74-79 s here (the 60 paced steps are 45 s of it), over
     the default suite's budget for one test; the default suite checks the same hook, once a
-    step, and its retake at dp 2 x tp 2 and dp 2 x pp 2 in
+    step, and its retake at dp 2 x tp 2, dp 2 x pp 2 and dp 2 x cp 2 in
     test_a_failed_vote_leaves_every_stage_ready_to_retake_the_step.
 
     The reference is one process on the whole global batch of 8 (the data rule; see the ZeRO
