@@ -125,3 +125,16 @@ def test_pipeline_rings_by_stage_count():
     assert shared_bytes(spec, lay, False) == 0.0
     big = replace(spec, hidden=8192, heads=64)
     assert shared_bytes(big, lay, True) == 2 * ((4 << 20) + 128)   # capped at 4 MiB
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 64), max_size=24), st.integers(-1, 200))
+def test_the_planners_bucket_plan_is_the_runtimes(sizes, cap):
+    """planner/buffers.py keeps its own copy of comm/buckets.plan_buckets (the planner stands
+    alone: no torch, no shardwise.comm); the copy must group every size list as the runtime
+    does, so the buffers it predicts are the ones DDP and ZeRO-1/2 allocate."""
+    from shardwise.comm.buckets import plan_buckets as runtime
+    assert plan_buckets([float(s) for s in sizes], float(cap)) == runtime(sizes, cap)
