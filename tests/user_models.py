@@ -138,3 +138,28 @@ class UserNet(nn.Module):
     def forward(self, x):
         out = self.body(x)
         return out + self.extra(x) if self.use_extra else out
+
+
+class RowBranchLM(nn.Module):
+    """A language model shardwise did not write whose ``extra`` layer runs only on the rows
+    whose first token is a multiple of 4 (row by row, so a batch's result does not depend on
+    how its rows are split): a rank, or a replica group, whose rows hold no such row gives
+    ``extra`` no gradient while another one does (``--find-unused``)."""
+
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.extra = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x):
+        h = self.emb(x)
+        rows = (x[:, 0] % 4 == 0).nonzero().squeeze(1)
+        if rows.numel():
+            h = h.index_add(0, rows, self.extra(h.index_select(0, rows)))
+        return self.head(h)
+
+
+def row_branch_lm(cfg) -> RowBranchLM:
+    """``--model user_models:row_branch_lm``: the run's vocabulary and width."""
+    return RowBranchLM(cfg.vocab_size, cfg.n_embd)

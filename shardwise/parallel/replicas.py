@@ -255,7 +255,9 @@ class ReplicaGroups:
     def reduce(self, buffers: list[torch.Tensor]) -> None:
         """Average this rank's reduced gradient ``buffers`` (DDP's buckets, ZeRO's gradient
         shards; and its loss) over the members' lane, in place; raises Redo when any member's
-        reduction failed (the buffers are then unchanged)."""
+        reduction failed (the buffers are then unchanged). DDP's ``find_unused`` flags come
+        last among the buffers (1 where the group gave a parameter a gradient): averaged
+        too, so a flag is above 0 where any live group used the parameter."""
         d = self.current
         local = self.strategy.local_loss
         if len(d.members) == 1:

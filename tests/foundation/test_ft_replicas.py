@@ -483,6 +483,41 @@ def test_tp_and_pp_groups_rejoin_with_their_pieces(tmp_path, axis):
 
 
 # -- a stop: every group at one step boundary, one checkpoint; a resume starts every group ----
+@pytest.mark.timeout(180)
+def test_find_unused_counts_a_parameter_any_live_group_used(tmp_path):
+    """``--find-unused`` across groups: DDP over 2 one-rank groups (where find_unused is on by
+    itself: one rank has nothing to wait for) with a user model whose ``extra`` layer runs only
+    on some rows (tests/user_models.RowBranchLM), so in some steps one group's rows use it and
+    the other's do not. A parameter counts as used when any live group used it (the groups
+    sum their flags over the lane with the gradients): every group steps it with the mean
+    gradient, or none does, as one process on the whole batch. Before, each group decided
+    alone, the one without the rows skipped the step the other took, and the replicas drifted
+    apart. Checked: the two groups' final weights bit-identical, both groups' losses equal one
+    process's within rtol 1e-5 (module docstring). On the code before (each group's own
+    flags) the final weights differed."""
+    from safetensors.torch import load_file
+    import user_models
+    flags = [*FLAGS[:FLAGS.index("--steps")], "--steps", "20",
+             *FLAGS[FLAGS.index("--steps") + 2:], "--model", "user_models:row_branch_lm"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(user_models.__file__),
+                                          os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "shardwise.cli", "train", *flags, "--nproc-per-node", "2",
+           "--ft-replicas", "2", "--collective-timeout", "60", "--out-dir", str(tmp_path),
+           "--run-name", "ft"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    params = [load_file(str(tmp_path / "ft" / f"replica{g}" / "final.safetensors"))
+              for g in (0, 1)]
+    assert params[0].keys() == params[1].keys() and "extra.weight" in params[0]
+    assert all(torch.equal(params[1][k], params[0][k]) for k in params[0])
+    reference = torch.tensor(_reference(flags), dtype=torch.float64)
+    for g in (0, 1):
+        losses = torch.tensor(_metric_losses(str(tmp_path / "ft" / f"replica{g}")),
+                              dtype=torch.float64)
+        torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0)
+
+
 def _metric_losses(folder: str) -> list[float]:
     with open(os.path.join(folder, "metrics.jsonl")) as fh:
         return [json.loads(line)["loss"] for line in fh]

@@ -49,7 +49,9 @@ step pre-hook (torch.optim's ``register_step_pre_hook``) that finishes the reduc
 Replica groups (``--ft-replicas``, parallel/replicas.py): ``_finish_grad_sync`` then averages
 the reduced buckets over the live groups through their hook (``self.ft``, once a step), whose
 failed vote raises Redo before the optimizer runs; :meth:`zero_grad` drops the step's gradients
-and the step is taken again.
+and the step is taken again. Under ``find_unused`` (on by itself in one-rank groups) the
+used flags go through the same hook, so a parameter that any live group's rows used is
+stepped by every group, and one no group used by none, as one process on the whole batch.
 
 Reference: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
 VLDB 2020.
@@ -186,11 +188,15 @@ class DDPStrategy(Strategy):
                 if self.compress is not None:
                     bucket.buffer.copy_(bucket.extra["low"])
                     bucket.buffer.div_(n)
-        if self.ft is not None:          # --ft-replicas: then over the live replica groups
-            self.ft.reduce([bucket.buffer for bucket in self.buckets.buckets])
-        if self.find_unused:
+        used = None
+        if self.find_unused:             # which parameters got a gradient on any rank
             used = torch.tensor(self.buckets.used, dtype=torch.float32, device=self.device)
             self.comm.all_reduce(used, self.group, op="max", name="ddp_unused")
+        if self.ft is not None:          # --ft-replicas: then over the live replica groups,
+            # the flags too: a parameter any live group used is stepped by every group
+            self.ft.reduce([bucket.buffer for bucket in self.buckets.buckets]
+                           + ([used] if used is not None else []))
+        if used is not None:
             self._used = (used > 0).tolist()
         self._synced = True
 
