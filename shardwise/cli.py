@@ -121,6 +121,8 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     validate(cfg, world)
     launch.check_gpus(cfg)          # a CUDA run: one GPU per rank on this node
     check_ignored(cfg, args, world)
+    replicas_checks.check_each_group(cfg, world, lambda c, w: (validate(c, w),
+                                                               check_ignored(c, args, w)))
     cfg = prelaunch.resolve_model_data(cfg, args, world)   # --dataset text tokenized here, once
     check_model_names(cfg)          # --freeze / --lora-targets against the model's names
     launch.check_restarts(cfg)      # --max-restarts needs --checkpoint-dir

@@ -145,7 +145,10 @@ def save(engine, cfg: Config, step: int, move: bool = False) -> str:
                     "parameters": count,
                     "bytes": store.folder_bytes(tmp), "config": to_dict(cfg),
                     "files": store.checksums(tmp)}
-            return store.publish(root, step, meta, cfg.train.keep_checkpoints)
+            # replica groups: one trajectory, saved by whichever group writes; a former
+            # writer's background save may finish after the current one's (run/train.py)
+            return store.publish(root, step, meta, cfg.train.keep_checkpoints,
+                                 newest_only=cfg.parallel.ft_replicas > 1)
     if cfg.train.checkpoint_async and step < cfg.train.steps and boxes is None:
         if pending is None:                        # once per run: a collective over the world
             pending = engine.checkpoint_async = AsyncSave(dcp_io.new_save_group(world))

@@ -126,15 +126,20 @@ def newest_intact(root: str) -> Found:
     return found
 
 
-def publish(root: str, step: int, meta: dict, keep: int) -> str:
+def publish(root: str, step: int, meta: dict, keep: int, newest_only: bool = False) -> str:
     """Rank 0, once every rank's files are written: meta.json, rename, switch ``latest``,
-    prune to the newest ``keep``. Returns the published folder."""
+    prune to the newest ``keep``. Returns the published folder. ``newest_only`` (replica
+    groups, whose saves come from one trajectory by more than one writer): ``latest`` is not
+    moved back to an older step than the complete one it names."""
     tmp, final = partial_path(root, step), os.path.join(root, step_name(step))
     _write_atomic(os.path.join(tmp, META), json.dumps({"format": FORMAT, **meta}, indent=2))
     if os.path.exists(final):            # the same step saved again (a resumed run's first save)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _write_atomic(os.path.join(root, LATEST), step_name(step) + "\n")
+    current = latest(root)
+    if not (newest_only and current is not None
+            and int(_STEP.match(os.path.basename(current)).group(1)) > step):
+        _write_atomic(os.path.join(root, LATEST), step_name(step) + "\n")
     prune(root, keep)
     return final
 

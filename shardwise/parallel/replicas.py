@@ -122,6 +122,7 @@ class ReplicaGroups:
         self.flat, self.loss = None, None
         self.kill_at, self.hold_until = self._kill_hook()
         self.pace = float(os.environ.get(ENV_PACE) or 0)
+        self.finish_saves = None          # run/train.py: waits for a --checkpoint-async save
         strategy.ft = self                # the component's _finish_grad_sync calls reduce()
 
     # -- joining --------------------------------------------------------------------------
@@ -157,6 +158,11 @@ class ReplicaGroups:
             d = self._round(step, (requested() if requested is not None else None) or 0)
             if d is None:
                 continue
+            if self.group != min(d.members) and self.finish_saves is not None:
+                # not the writer (a lower-id group is back): a background save this group
+                # began as the writer is published before this step's vote lets the new
+                # writer save (its begin() clears .partial folders: checkpoint/store.py)
+                self.finish_saves()
             g = self.strategy.mesh.dp
             x, y = batch(d.members.index(self.group) * g + self.strategy.mesh.dp_rank,
                          len(d.members) * g)

@@ -45,6 +45,23 @@ def as_group(cfg: Config, world: int) -> tuple[Config, int]:
         world // r
 
 
+def check_each_group(cfg: Config, world: int, checks) -> None:
+    """In the launcher (``--ft-replicas`` R >= 2): run ``checks(config, world)`` on one
+    group's config and world as well, which is what every group's ranks check when they start
+    (:func:`group_config`), so a setting only a group refuses (``--bucket-mb`` with one-rank
+    groups, whose dp is 1) stops before launch with one line naming the groups, not in every
+    group's torchrun after it."""
+    group, size = as_group(cfg, world)
+    if size == world:
+        return
+    try:        # --ft-replicas itself was checked on the whole world (check)
+        checks(replace(group, parallel=replace(group.parallel, ft_replicas=0)), size)
+    except ConfigError as exc:
+        raise ConfigError(exc.field_name, exc.value, f"in each of the {cfg.parallel.ft_replicas} "
+                          f"replica groups ({size} rank(s) each): {exc.why}",
+                          exc.fix) from None
+
+
 def _refuse(value, why: str, fix: str) -> None:
     raise ConfigError("parallel.ft_replicas", value, why, fix)
 
@@ -89,15 +106,9 @@ def _not_built(cfg: Config, r: int) -> None:
     a pipeline (--pp), context parallelism (--cp), offload (--offload cpu|disk,
     --offload-params), fp16 and HSDP (--dp-shard: the shard size inside each group) inside the
     group too (parallel/replicas.py)."""
-    p, m = cfg.parallel, cfg.memory
+    p = cfg.parallel
     if p.dp_replicate:
         _refuse(r, f"--dp-replicate {p.dp_replicate} under replica groups: the groups are the "
                 "outer replicas (each averages its shards with the others' every step)",
                 "give --dp-shard S alone (HSDP inside each group: the group's dp ranks form "
                 "dp / R / S replicas of S-rank shard groups), or drop --ft-replicas")
-    t = cfg.train
-    for name, value in (("checkpoint_async", t.checkpoint_async),
-                        ("checkpoint_move_last", t.checkpoint_move_last)):
-        if value:       # only the writer group would save: its timing is not built yet
-            _refuse(r, f"--{name.replace('_', '-')} under replica groups is not built yet",
-                    f"drop --{name.replace('_', '-')}")

@@ -123,6 +123,7 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     start = checkpoint.restore(engine, plan)         # last: it also sets the RNG states
     ft = attach_replicas(engine.strategy, cfg, run_dir(cfg))   # --ft-replicas, else None
     if ft is not None:
+        ft.finish_saves = lambda: _finish_background_save(engine)
         try:
             start = ft.join(start)      # the live groups' step, with their state
         except StopAgreed as exc:       # the others stopped before this group rejoined
@@ -157,6 +158,7 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
                 except StopAgreed as agreed:   # every live group stops before this step
                     if cfg.train.checkpoint_dir and agreed.writer and saved != done:
                         checkpoint.save(engine, cfg, done)
+                    _finish_background_save(engine)   # --checkpoint-async: written first
                     stop.stop(agreed.signum)
             dt = time.perf_counter() - t0
             sent = rt.comm.meter.total().bytes_sent - sent0   # this step's training traffic only
@@ -190,6 +192,7 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
         log.close()
     if ft is not None:
         ft.finish()
+    _finish_background_save(engine)   # a group that saved before it stopped being the writer
     summary = _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, peak,
                        time.perf_counter() - began, train_sent)
     if data.kind == "tokens":   # after the summary: its gather is not the training's traffic
@@ -198,7 +201,8 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     if cfg.memory.memory_report:      # every rank: the counterfactual forwards may communicate
         summary["memory_report"] = memreport.report(cfg, engine.strategy, x,
                                                     lambda v: _per_rank(rt, v))
-    if cfg.train.checkpoint_move_last and saved != done:   # last: the state goes into it
+    if cfg.train.checkpoint_move_last and saved != done and \
+            (ft is None or ft.writes_checkpoints()):      # last: the state goes into it
         checkpoint.save(engine, cfg, done, move=True)
     summary["checkpoint"] = checkpoint.store.latest(cfg.train.checkpoint_dir) \
         if cfg.train.checkpoint_dir else None
@@ -221,7 +225,10 @@ def _checkpoint(engine: Engine, cfg: Config, done: int, last: bool, saved: int,
     with ``checkpoint_move_last`` train() moves that one after the final weights) or when any
     rank was asked to stop (then stop: raises Stopped). Returns the last saved step. Under
     ``--ft-replicas`` (``ft``) only the lowest-id live group saves, and the stop is agreed in
-    the next step's quorum instead (train()'s StopAgreed)."""
+    the next step's quorum instead (train()'s StopAgreed); a group that is no longer the
+    writer finishes a background save (``--checkpoint-async``) it began as the writer
+    before its next step's vote (ReplicaGroups.finish_saves), so the new writer's save
+    begins after it is published."""
     if not cfg.train.checkpoint_dir:
         return saved
     every = cfg.train.checkpoint_every
@@ -241,6 +248,13 @@ def _checkpoint(engine: Engine, cfg: Config, done: int, last: bool, saved: int,
             pending.wait()
         stop.stop(signum)
     return saved
+
+
+def _finish_background_save(engine: Engine) -> None:
+    """Wait for a ``--checkpoint-async`` save still being written (and published), if any."""
+    pending = getattr(engine, "checkpoint_async", None)
+    if pending is not None:
+        pending.wait()
 
 
 def _save_final(engine: Engine, out: str, main: bool) -> None:

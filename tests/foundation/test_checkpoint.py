@@ -174,3 +174,16 @@ def test_inspect_and_export(reference, capsys, tmp_path):
         assert torch.equal(p.detach(), ref_params[name]), name
     assert cli.main(["checkpoint", "inspect", str(tmp_path)]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_publish_newest_only_keeps_latest_on_the_newer_step(tmp_path):
+    """Replica groups (``newest_only``): a save of an older step published after a newer one
+    (two writer groups, a background save finishing late) leaves ``latest`` on the newer;
+    without it ``latest`` follows the last publish (a run resumed from an older step)."""
+    for newest_only, expected in ((True, "step-4"), (False, "step-2")):
+        root = str(tmp_path / str(newest_only))
+        for step in (4, 2):
+            store.begin(root, step)
+            store.publish(root, step, {"step": step}, keep=5, newest_only=newest_only)
+        assert os.path.basename(store.latest(root)) == expected
+        assert store.steps(root) == [2, 4]

@@ -251,9 +251,6 @@ def test_a_failed_vote_leaves_every_stage_ready_to_retake_the_step(world):
       "--batch-size", "16"], "--dp-shard 8 does not divide a group's data-parallel size 4"),
     (["--nproc-per-node", "3", "--ft-replicas", "3", "--batch-size", "9"],
      "does not split into equal shares"),
-    (["--nproc-per-node", "2", "--ft-replicas", "2", "--batch-size", "8", "--checkpoint-dir",
-      "/tmp/shardwise-ft-refused", "--checkpoint-async"],
-     "--checkpoint-async under replica groups is not built yet"),
     (["--nproc-per-node", "2", "--ft-replicas", "1"], "cannot survive"),
 ])
 def test_refused_in_one_line(flags, words, capsys):
@@ -261,6 +258,19 @@ def test_refused_in_one_line(flags, words, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("error: parallel.ft_replicas") and words in err, err
+
+
+@pytest.mark.timeout(60)
+def test_what_a_group_refuses_is_refused_before_launch(capsys):
+    """A setting that only a group's own config refuses (``--bucket-mb`` reads nothing when
+    each group has one rank: dp 1) stops in the launcher with one line naming the groups, exit
+    2, instead of passing there and failing in every group's torchrun with its tracebacks."""
+    code = cli.main(["train", "--device", "cpu", "--steps", "2", "--nproc-per-node", "2",
+                     "--ft-replicas", "2", "--batch-size", "8", "--bucket-mb", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: parallel.bucket_mb = 1.0: in each of the 2 replica groups "
+                          "(1 rank(s) each): dp = 1: there is no gradient"), err
 
 
 # -- the must-show: a group killed at step 20 rejoins; the others never stop ------------------
@@ -518,13 +528,47 @@ def test_find_unused_counts_a_parameter_any_live_group_used(tmp_path):
         torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0)
 
 
+@pytest.mark.timeout(180)
+def test_move_last_is_the_writer_groups_and_resumes(tmp_path):
+    """``--checkpoint-move-last`` under groups: ZeRO-2 with ``--offload disk`` in 2 one-rank
+    groups; at the end only the writer group (the lowest-id live one) moves its offload files
+    into the last checkpoint (two groups moving into one folder would clobber each other), the
+    other writes nothing; the folder holds that one checkpoint, of a group's world (1 rank),
+    and ``--resume`` starts both groups from it, ending bit-identical."""
+    from safetensors.torch import load_file
+    flags = [f for f in _zero_flags(2) if f not in ("--bucket-mb", "0.05")]  # dp 1 per group
+    flags[flags.index("--steps") + 1] = "6"
+    flags += ["--offload", "disk", "--nproc-per-node", "2", "--ft-replicas", "2",
+              "--collective-timeout", "60", "--checkpoint-dir", str(tmp_path / "ckpt"),
+              "--checkpoint-move-last", "--out-dir", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "shardwise.cli", "train", *flags]
+    done = subprocess.run([*cmd, "--run-name", "moved"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-6"]
+    with open(tmp_path / "ckpt" / "step-6" / "meta.json") as fh:
+        assert json.load(fh)["world_size"] == 1
+    cmd[cmd.index("--steps") + 1] = "8"
+    done = subprocess.run([*cmd, "--resume", "--run-name", "resumed"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    params = [load_file(tmp_path / "resumed" / f"replica{g}" / "final.safetensors")
+              for g in (0, 1)]
+    assert all(torch.equal(params[1][k], params[0][k]) for k in params[0])
+    for g in (0, 1):
+        with open(tmp_path / "resumed" / f"replica{g}" / "summary.json") as fh:
+            assert json.load(fh)["start_step"] == 6
+
+
 def _metric_losses(folder: str) -> list[float]:
     with open(os.path.join(folder, "metrics.jsonl")) as fh:
         return [json.loads(line)["loss"] for line in fh]
 
 
 @pytest.mark.timeout(180)
-def test_stop_saves_one_checkpoint_and_every_group_resumes_from_it(tmp_path):
+@pytest.mark.parametrize("save", [[], ["--checkpoint-async"]], ids=["sync", "async"])
+def test_stop_saves_one_checkpoint_and_every_group_resumes_from_it(tmp_path, save):
     """ZeRO-2 in 2 groups of 2 ranks, 30 steps of PACE_STOP s each (so that the signal lands
     mid-run), ``--checkpoint-dir``: SIGTERM to the launcher once group 1 logged 8 steps. Every
     group stops at the same step N (agreed in the quorum: parallel/replicas.py), the launcher
@@ -532,12 +576,14 @@ def test_stop_saves_one_checkpoint_and_every_group_resumes_from_it(tmp_path):
     checkpoint, step-N, written by one group (its world is a group's 2 ranks). ``--resume``
     then starts both groups from step N; they end bit-identical, and the losses of both
     halves equal one process's uninterrupted run within rtol 1e-5 (the reason and the measured
-    size in test_zero_groups_rejoin_with_their_shards; the resume itself is exact)."""
+    size in test_zero_groups_rejoin_with_their_shards; the resume itself is exact). With
+    ``--checkpoint-async`` the stop's save is written in the background and every group
+    waits for it before it leaves (the checkpoint is complete and resumes the same)."""
     from safetensors.torch import load_file
     flags = _zero_flags(2)
     flags[flags.index("--steps") + 1] = "30"
     flags += ["--nproc-per-node", "4", "--ft-replicas", "2", "--collective-timeout", "60",
-              "--checkpoint-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path)]
+              "--checkpoint-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path), *save]
     env = {**os.environ, "SHARDWISE_FT_TEST_PACE": str(PACE_STOP), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "shardwise.cli", "train", *flags]
     proc = subprocess.Popen([*cmd, "--run-name", "stopped"], env=env, text=True,
