@@ -68,8 +68,11 @@ def ours_tokens_per_s(cfg, world: int) -> dict:
     rt = init_runtime(cfg)
     s = train(cfg, rt, quiet=True)
     steps = s["steps"]
+    extra = {"ledger": s["ledger"], "comm": s["comm"]}
+    if s.get("compile_seconds") is not None:    # --compile: the first step's compilation
+        extra["compile_seconds"] = s["compile_seconds"]
     return {"items_per_s": s["throughput"], "bytes_sent": rt.comm.meter.total().bytes_sent / steps,
-            "peak_mem": sum(s["ledger"].values()), "extra": {"ledger": s["ledger"], "comm": s["comm"]}}
+            "peak_mem": sum(s["ledger"].values()), "extra": extra}
 
 
 def ours_sized(strategy: str, size: str, steps: int, world: int, **parallel) -> dict:

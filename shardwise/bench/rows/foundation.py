@@ -1,9 +1,14 @@
 """Foundation rows: shardwise's loop with the `single` strategy against a plain PyTorch loop,
 on the same optimizer (the loop's own cost), and as a product: ``shardwise train`` with its
 defaults against the loop a user writes with torch's defaults (``torch.optim.AdamW(params, lr)``,
-whose CPU step is a loop over tensors; ours is fused: train.optimizer_kernel)."""
+whose CPU step is a loop over tensors; ours is fused: train.optimizer_kernel). And
+``--compile`` against eager at the 57M GPT, for ``single`` and ``ddp`` (issue 35's goal:
+>= 1.2x); the compiled side's first step (its compilation) is outside its tokens/s and in
+``extra.compile_seconds``."""
+from dataclasses import replace
+
 from shardwise.config.names import Strategy
-from shardwise.bench.harness import Row, gpt_bench_config
+from shardwise.bench.harness import Row, gpt_bench_config, sized_config
 from shardwise.bench.peers import ours_tokens_per_s, plain_loop_tokens_per_s
 
 
@@ -41,6 +46,19 @@ def peer_torch_defaults(rank, world, steps, size="3m"):
     return {"items_per_s": items, "extra": {**timings, "optimizer_share": share}}
 
 
+def _compiled(strategy: str, steps: int, compiled: bool):
+    cfg = sized_config(strategy, "57m", steps)
+    return replace(cfg, memory=replace(cfg.memory, compile=compiled))
+
+
+def ours_compiled(rank, world, steps, strategy=Strategy.SINGLE):
+    return ours_tokens_per_s(_compiled(strategy, steps, True), world)
+
+
+def ours_eager(rank, world, steps, strategy=Strategy.SINGLE):
+    return ours_tokens_per_s(_compiled(strategy, steps, False), world)
+
+
 ROWS = [Row("single-vs-torch", ours, peer, world=1, args={"steps": 14},
             quick_args={"steps": 6},
             goal="ratio >= 0.98 (the loop costs nothing)", peer_name="plain PyTorch loop"),
@@ -51,4 +69,10 @@ ROWS = [Row("single-vs-torch", ours, peer, world=1, args={"steps": 14},
         Row("single-defaults-vs-torch-defaults-57m", ours_sized, peer_torch_defaults, world=1,
             args={"steps": 8, "size": "57m"}, quick_args={"steps": 5, "size": "57m"},
             goal="ratio >= 1 + the optimizer step's share of torch's step",
-            peer_name="plain PyTorch loop, torch.optim.AdamW(params, lr)")]
+            peer_name="plain PyTorch loop, torch.optim.AdamW(params, lr)"),
+        Row("compile-vs-eager-57m", ours_compiled, ours_eager, world=1,
+            args={"steps": 8}, quick_args={"steps": 5},
+            goal="ratio >= 1.2 (--compile against eager)", peer_name="shardwise eager"),
+        Row("ddp-compile-vs-eager-57m", ours_compiled, ours_eager, world=2,
+            args={"steps": 8, "strategy": Strategy.DDP}, quick_args={"steps": 5, "strategy": Strategy.DDP},
+            goal="ratio >= 1.2 (--compile against eager)", peer_name="shardwise eager")]
