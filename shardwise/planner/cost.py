@@ -149,7 +149,8 @@ def optimizer_bytes(batch: Batch) -> float:
     return touched + (per["parameters"] if batch.mixed else 0)
 
 
-def _optimizer_and_offload(layout, model, hw, batch, p_dev, m) -> tuple[float, float]:
+def _optimizer_and_offload(layout, model, hw, batch, p_dev, m,
+                           disk_bw: float) -> tuple[float, float]:
     """(device optimizer seconds, offload seconds) per step.
 
     Offloaded optimizer (cpu or disk): the node's CPU steps every rank's partition at host
@@ -157,7 +158,8 @@ def _optimizer_and_offload(layout, model, hw, batch, p_dev, m) -> tuple[float, f
     and the updated 16-bit parameters come back; disk reads and writes master and moments.
     Offloaded parameters (ZeRO-3): every unit is fetched for the forward and the backward of
     every micro-batch (through the host from disk), and written back after the step. The disk's
-    bytes are offload.py's (what shardwise's store moves), for every rank of the node."""
+    bytes are offload.py's (what shardwise's store moves), for every rank of the node, at
+    ``disk_bw`` (offload.disk_rate: the disk, or the page cache when the state is small)."""
     per = state_bytes(batch)
     touched = optimizer_bytes(batch)
     step_bw = hw.optimizer_bw or hw.mem_bw
@@ -179,7 +181,7 @@ def _optimizer_and_offload(layout, model, hw, batch, p_dev, m) -> tuple[float, f
         fetch = 2 * m * params
         back = params if layout.offload == "none" else 0.0   # else counted with the optimizer
         off += (fetch + back) / hw.host_bw
-    off += on_node * offload.disk_bytes_per_step(layout, batch, owned, m) / hw.disk_bw
+    off += on_node * offload.disk_bytes_per_step(layout, batch, owned, m) / disk_bw
     return device_s, off
 
 
@@ -204,7 +206,9 @@ def estimate(layout: Layout, model: ModelSpec, hw: Hardware, batch: Batch) -> Es
     slot = t_mb + tp + cp + p2p + per_mb
     once = dp.after_step + (dp.last_backward if layout.pp > 1 else
                             max(0.0, dp.last_backward - hide_bwd))
-    optimizer_s, offload_s = _optimizer_and_offload(layout, model, hw, batch, p_dev, m)
+    optimizer_s, offload_s = _optimizer_and_offload(
+        layout, model, hw, batch, p_dev, m,
+        offload.disk_rate(hw, mem.disk_per_node, mem.host_per_node))
     ps = comm.ps_time(layout, model, hw, batch)
     idle = bubble_slots(layout.schedule, layout.pp, layout.virtual_stages)
     pipe = _pipeline_seconds(layout, hw, m, idle, slot, t_mb)

@@ -12,8 +12,10 @@ fp32 gradient shard and master + optimizer states, ``m`` micro-batches:
   (``m + 1`` moves, "2 of the gradients" at m = 1).
 
 The node's disk serves every rank of the node at ``Hardware.disk_bw`` (a calibration measures
-it: shardwise/launch/calibrate.py's ``measure_disk``). The page cache absorbs what fits in
-free memory, so on a host with room the figure is an upper bound.
+it: shardwise/launch/calibrate.py's ``measure_disk``) when the disk state is large; when it is
+small beside the host's memory, shardwise's default ``--offload-sync auto`` leaves the writes to
+the kernel's writeback and the page cache serves the reads, so the I/O runs at host memory
+bandwidth (:func:`disk_rate`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,17 @@ def disk_bytes_per_step(layout: Layout, batch: Batch, owned: float, m: int) -> f
         moved += (2 * m + 2) * per["parameters"] * owned
         moved += (m + 1) * 4 * owned
     return moved
+
+
+def disk_rate(hw, disk_per_node: float, host_per_node: float) -> float:
+    """Bytes/s a node's offload I/O runs at. The runtime's ``--offload-sync auto``
+    (shardwise/memory/offload_io.py ``sync_needed``) syncs each write only when the node's
+    offloaded state exceeds a quarter of the memory available; the planner takes the host's
+    memory less what cpu offload keeps there. Below that, the writes go to the page cache
+    (written back by the kernel off the step) and the reads come from it: ``host_mem_bw``;
+    above it, the disk: ``disk_bw``."""
+    free = max(0.0, hw.host_memory_bytes - host_per_node)
+    return hw.host_mem_bw if disk_per_node <= free / 4 else hw.disk_bw
 
 
 def runtime_flags(layout: Layout) -> str:

@@ -35,11 +35,32 @@ def test_disk_io_per_step_follows_the_runtime_store():
     owned = 1e9
     expect = (3 + 1) * 2 * owned + 2 * 4 * owned + 2 * (4 + 8) * owned
     assert disk_bytes_per_step(lay, Batch(8), owned, 1) == pytest.approx(expect)
-    hw = Hardware.from_catalogue("a100-80gb", devices_per_node=8, disk_bw=2e9)
+    # 7B's disk state (18 B a parameter, 126 GB) against a 256 GiB host: more than a quarter
+    # of it, so --offload-sync auto syncs and the step waits for the disk
+    hw = Hardware.from_catalogue("a100-80gb", devices_per_node=8, disk_bw=2e9,
+                                 host_memory_bytes=256 * 2**30)
     e = estimate(lay, SEVEN_B, hw, Batch(8))
     per_rank = disk_bytes_per_step(lay, Batch(8), SEVEN_B.params / 8, e.microbatches)
     assert e.disk_io_per_node == pytest.approx(8 * per_rank)
+    assert e.disk_per_node > hw.host_memory_bytes / 4
     assert e.offload_s >= e.disk_io_per_node / hw.disk_bw
+
+
+def test_a_disk_state_the_page_cache_holds_is_charged_at_memory_speed():
+    """The same layout on a 1 TiB host: the disk state is under a quarter of the memory, so
+    the runtime's --offload-sync auto leaves the writes to the kernel and the page cache
+    serves the reads; the planner charges the I/O at host memory bandwidth, not the disk's
+    (offload.disk_rate), and a smaller disk state is never charged more than a larger one."""
+    lay = Layout(dp=8, zero=3, offload="disk", offload_params="disk")
+    big = Hardware.from_catalogue("a100-80gb", devices_per_node=8, disk_bw=2e9,
+                                  host_memory_bytes=1024 * 2**30)
+    small = Hardware.from_catalogue("a100-80gb", devices_per_node=8, disk_bw=2e9,
+                                    host_memory_bytes=256 * 2**30)
+    cached, synced = estimate(lay, SEVEN_B, big, Batch(8)), estimate(lay, SEVEN_B, small, Batch(8))
+    assert cached.disk_per_node <= big.host_memory_bytes / 4
+    assert cached.offload_s < cached.disk_io_per_node / big.disk_bw
+    assert cached.offload_s >= cached.disk_io_per_node / big.host_mem_bw
+    assert cached.offload_s < synced.offload_s
 
 
 def _one_gpu(host: str) -> Hardware:
