@@ -66,6 +66,11 @@ class Reducer:
     def uses_shared_memory(self) -> bool:
         return bool(self._shm)
 
+    def in_place(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in this member's part of the shared mapping (:meth:`shared_buffer`),
+        so the shared-memory all-reduce sums it where it is, copying nothing in or out."""
+        return bool(self._shm) and self._shm._offset(t) is not None
+
     def nbytes(self) -> int:
         """Bytes of the shared-memory region (0 when none is mapped)."""
         return self._shm.nbytes if self._shm else 0

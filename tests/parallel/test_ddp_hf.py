@@ -14,6 +14,8 @@ another order than one backward over the whole batch, and Adam turns last-bit di
 near-zero gradient element into a small fraction of lr (see LR below for GPT-2's key bias).
 Frozen parameters: exact (no arithmetic touches them, so any difference is a bug).
 """
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -48,7 +50,9 @@ def _hf_train_step(rank, max_norm):
     freeze(model, FROZEN)
     engine = shardwise.prepare(model, two_groups(LR), _cfg(grad_clip=max_norm), loss_fn=gpt2_loss)
     losses = [engine.train_step(*engine.shard(x, y)) for x, y in token_batches(STEPS, BATCH)]
-    return losses, engine.full_state_dict()
+    strategy = engine.strategy       # the buckets live in the shared-memory all-reduce's mapping
+    in_place = [strategy.reducer.in_place(b.buffer) for b in strategy.buckets.buckets]
+    return losses, engine.full_state_dict(), (in_place, strategy.comm.spin)
 
 
 def _hf_user_loop(rank, max_norm):
@@ -157,7 +161,13 @@ def test_hf_gpt2_user_loop_find_unused_and_batchnorm_under_ddp(world):
     bn_val = float(F.cross_entropy(bn_model(x), y))
 
     for rank, res in enumerate(run_world(_world, world, max_norm)):
-        losses, params = res["train_step"]
+        losses, params, (in_place, polled) = res["train_step"]
+        # the default all-reduce (auto) between the ranks of one host whose waits are polled
+        # (ranks x threads within the cores: world 2 here) is shared memory, summing GPT-2's
+        # buckets (several: bucket_mb 0.01) where backward wrote them; with more ranks than
+        # cores (world 4 on 2) the backend's own, from ordinary buffers
+        assert len(in_place) > 1 and in_place == [polled] * len(in_place), (in_place, polled)
+        assert polled or world > len(os.sched_getaffinity(0)), world
         _close(losses, ref_losses, f"rank {rank} train_step losses")
         _close(params, ref_params, f"rank {rank} train_step parameters")
         losses, norms, user_params = res["user_loop"]
