@@ -35,7 +35,9 @@ A measured figure inside a sentence is an inline value, one number from one JSON
     <!-- value: FILE KEY FORMAT -->1.20<!-- /value -->
 
 KEY is a dotted path into the JSON (``ours.items_per_s``; a list index is a number:
-``sides.zero3.0.peak_rss_mib``) and FORMAT a Python format spec (``.2f``, ``,.0f``, ``.0%``).
+``sides.zero3.0.peak_rss_mib``) and FORMAT a Python format spec (``.2f``, ``,.0f``, ``.0%``),
+optionally followed by ``/DIVISOR``, the value divided first (``.1f/1e9``: bytes/s as GB/s;
+``,.0f/1048576``: bytes as MiB; ``.0f/60``: seconds as minutes).
 
 Every measured block ends with where its JSON ran (date, commit, uncommitted changes, machine);
 a field the JSON does not carry is written "not recorded".
@@ -300,6 +302,7 @@ def value(spec: str) -> str:
     if len(parts) != 3:
         raise SystemExit(f"error: inline value {spec!r}: expected FILE KEY FORMAT")
     path, key, fmt = parts
+    fmt, _, divisor = fmt.partition("/")
     node = _load(path)
     for step in key.split("."):
         try:
@@ -307,7 +310,7 @@ def value(spec: str) -> str:
         except (KeyError, IndexError, ValueError, TypeError):
             raise SystemExit(f"error: inline value {spec!r}: {path} has no {key!r} "
                              f"(stopped at {step!r})") from None
-    return format(node, fmt)
+    return format(node / float(divisor) if divisor else node, fmt)
 
 
 def render(spec: str) -> str:
