@@ -129,23 +129,24 @@ def zero3_memory(rank, world, **args):
     return _memory_side(Strategy.ZERO3, rank, world, **args)
 
 
-def zero3_offload_params_memory(rank, world, offload="disk", offload_sync="auto", **args):
+def zero3_offload_params_memory(rank, world, offload="disk", offload_sync="auto",
+                                checkpointing=False, **args):
     """ZeRO-3 at 57M with parameters, gradients, masters and Adam states offloaded
     (``--offload disk --offload-params``, ``--offload-sync``); ``extra`` adds what the row's
     goal is about: the bytes offloaded (the ledger's ``on_disk``) and the peaks of prepare and
     of training. Built on the meta device (``shardwise train``'s default), so prepare holds one
-    unit at a time."""
-    out = _memory_side(Strategy.ZERO3, rank, world, memory={"offload": offload,
-                                                     "offload_params": True,
-                                                     "offload_sync": offload_sync},
-                       init="meta", **args)
+    unit at a time. ``checkpointing``: ``--activation-checkpointing`` (both sides of a row)."""
+    out = _memory_side(Strategy.ZERO3, rank, world, memory={
+        "offload": offload, "offload_params": True, "offload_sync": offload_sync,
+        "activation_checkpointing": checkpointing}, init="meta", **args)
     return _phases(out)
 
 
-def zero3_memory_phases(rank, world, offload_sync=None, **args):
+def zero3_memory_phases(rank, world, offload_sync=None, checkpointing=False, **args):
     """ZeRO-3 at 57M without offload, built on the meta device as its offloaded side is
     (``offload_sync`` is the offloaded side's: nothing here writes to a disk)."""
-    return _phases(_memory_side(Strategy.ZERO3, rank, world, init="meta", **args))
+    return _phases(_memory_side(Strategy.ZERO3, rank, world, init="meta", memory={
+        "activation_checkpointing": checkpointing}, **args))
 
 
 def _phases(out: dict) -> dict:
@@ -208,6 +209,13 @@ ROWS = [
         world=2, args={"steps": 4, "batch": 4, "offload_sync": "always"},
         quick_args={"steps": 3}, goal="throughput >= 0.85x; peak RSS below by >= 0.9 x the "
         "offloaded bytes", peer_name="shardwise ZeRO-3 without offload"),
+    # both sides with activation checkpointing: their peaks then fall where the activations
+    # are small on both (without it the offloaded side peaks at the end of the forward, the
+    # other at the end of the backward: docs/zero.md), so the fall is offload's alone
+    Row("zero3-offload-params-disk-vs-none-ckpt", zero3_offload_params_memory,
+        zero3_memory_phases, world=2, args={"steps": 4, "batch": 4, "checkpointing": True},
+        quick_args={"steps": 3}, goal="throughput >= 0.85x; peak RSS below by >= 0.9 x the "
+        "offloaded bytes", peer_name="shardwise ZeRO-3 without offload, both checkpointed"),
     Row("zero3-offload-disk-vs-none", zero3_big, zero3_big_no_offload, world=2,
         args={"offload": "disk"}, goal="peak memory drops (ratio < 1), throughput cost stated",
         peer_name="shardwise ZeRO-3 without offload"),
