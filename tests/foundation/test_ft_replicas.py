@@ -578,7 +578,8 @@ def test_stop_saves_one_checkpoint_and_every_group_resumes_from_it(tmp_path, sav
     halves equal one process's uninterrupted run within rtol 1e-5 (the reason and the measured
     size in test_zero_groups_rejoin_with_their_shards; the resume itself is exact). With
     ``--checkpoint-async`` the stop's save is written in the background and every group
-    waits for it before it leaves (the checkpoint is complete and resumes the same)."""
+    waits for it before it leaves: the same one checkpoint, complete (every file matches its
+    checksum in meta.json); the resume, the same code as above, is not repeated."""
     from safetensors.torch import load_file
     flags = _zero_flags(2)
     flags[flags.index("--steps") + 1] = "30"
@@ -607,6 +608,10 @@ def test_stop_saves_one_checkpoint_and_every_group_resumes_from_it(tmp_path, sav
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", f"step-{n}"]
     with open(tmp_path / "ckpt" / f"step-{n}" / "meta.json") as fh:
         assert json.load(fh)["world_size"] == 2
+    if save:        # --checkpoint-async: published, and intact file by file
+        from shardwise.checkpoint import store
+        assert store.damage(str(tmp_path / "ckpt" / f"step-{n}")) is None
+        return
     done = subprocess.run([*cmd, "--resume", "--run-name", "resumed"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
