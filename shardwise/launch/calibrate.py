@@ -54,6 +54,11 @@ class Compute:
     optimizer_bw: float = 0.0
     """Bytes/s the configured optimizer's step reaches on the model (planner.cost.optimizer_bytes
     per parameter over its median time); 0: not measured."""
+    activation_passes: float = 0.0
+    """The part of a sequence's time the matmul rate does not explain, as passes over the
+    block's activation bytes at ``mem_bw`` (the planner's non-GEMM kernels:
+    planner/compute.py); 0 when the GPT ran as fast as the matmul (then the whole-block rate
+    is used, as ``efficiency``)."""
 
 
 @dataclass(frozen=True)
@@ -92,12 +97,17 @@ class Calibration:
         """``Hardware.custom`` for ``processes`` ranks on this machine (1: the whole process)."""
         c = self.whole if processes == 1 else self.per_rank
         peak = max(c.matmul_flops, c.model_flops)
+        # with the GPT's time split into GEMMs at the matmul rate and the rest in proportion to
+        # the activation bytes, a wider model's GEMMs (more FLOPs per activation byte) are not
+        # charged the benchmark GPT's narrow blocks' rate (measure_compute)
+        split = {"efficiency": 1.0, "activation_passes": c.activation_passes} \
+            if c.activation_passes > 0 else {"efficiency": c.model_flops / peak}
         cpu = self.device == "cpu"
         share = self.memory_bytes * 0.8 / processes if cpu else self.memory_bytes
         return Hardware.custom(
             nodes=1, devices_per_node=processes, memory_bytes=int(share), peak_flops=peak,
             intra_bw=self.allreduce_bw or 1e12, intra_latency=self.allreduce_latency,
-            efficiency=c.model_flops / peak, block_overhead=c.block_overhead, mem_bw=c.mem_bw,
+            **split, block_overhead=c.block_overhead, mem_bw=c.mem_bw,
             host_bw=c.mem_bw / 2,
             # on a CPU the host is the device: an offloaded step runs the same optimizer
             host_mem_bw=(c.optimizer_bw or c.mem_bw) if cpu else c.mem_bw,
@@ -287,7 +297,27 @@ def measure_compute(cfg: Config, device: torch.device, threads: int, agree=None,
         optimizer_bw = _optimizer_rate(cfg, model, device, agree)
     finally:
         torch.set_num_threads(before)
-    return Compute(threads, matmul, model_flops, overhead, mem_bw, optimizer_bw)
+    passes = activation_passes(spec, batch_of(cfg), per_row, matmul, mem_bw)
+    return Compute(threads, matmul, model_flops, overhead, mem_bw, optimizer_bw, passes)
+
+
+def activation_passes(spec: ModelSpec, batch: Batch, per_row: float, matmul: float,
+                      mem_bw: float) -> float:
+    """Split one sequence's fitted time ``per_row`` into the GEMMs at the ``matmul`` rate (as the
+    planner charges them: planner/compute.py, their FLOPs slowed where they are small) and the
+    rest, expressed as passes over the sequence's activation bytes at ``mem_bw`` (the planner's
+    ``Hardware.activation_passes``), so the planner reproduces ``per_row`` on this model and
+    charges a wider one's GEMMs at the matmul rate. 0 when the GEMMs alone take the whole
+    time (the planner then keeps the GPT's whole-block rate)."""
+    from shardwise.planner import kernels
+    from shardwise.planner.layout import Layout
+    from shardwise.planner.memory import activation_per_layer
+    gemms = kernels.block_gemms(spec.hidden, spec.heads, spec.ffn, spec.seq_len, 1, 1)
+    slow = kernels.slowdown(gemms, matmul, mem_bw, 0.0, 2 if batch.mixed else 4)
+    flops = spec.flops_per_token() * spec.seq_len
+    rest = per_row - flops / matmul * slow
+    touched = spec.layers * activation_per_layer(spec, Layout(), batch, full=True)
+    return rest * mem_bw / touched if rest > 0 and touched > 0 else 0.0
 
 
 def _optimizer_rate(cfg: Config, model: torch.nn.Module, device: torch.device, agree) -> float:
