@@ -2,8 +2,10 @@
 
 - compute: a square fp32 matmul (the device's achievable peak, ``peak_flops``) and the
   configured GPT's forward + backward at two micro-batch sizes, fitted as
-  ``t(b) = L * block_overhead + b * s * flops_per_token / model_flops``; the planner gets
-  ``efficiency = model_flops / peak_flops`` and ``block_overhead`` (dispatch, small kernels).
+  ``t(b) = L * block_overhead + b * s * flops_per_token / model_flops``; the planner gets the
+  GEMMs at the matmul rate and the rest of the slope as ``activation_passes`` over the
+  activation bytes (:func:`activation_passes`; ``efficiency = model_flops / peak_flops`` when
+  the GPT was as fast as the matmul), and ``block_overhead`` (dispatch, small kernels).
   Measured with the threads each rank will have (``OMP_NUM_THREADS``, 1 by default under the
   relaunch) in every rank of a forked world at once (on CPU the ranks share cores and the
   memory bus, so a rank timed alone is faster than one of a busy world); and once more in one
