@@ -163,3 +163,25 @@ class RowBranchLM(nn.Module):
 def row_branch_lm(cfg) -> RowBranchLM:
     """``--model user_models:row_branch_lm``: the run's vocabulary and width."""
     return RowBranchLM(cfg.vocab_size, cfg.n_embd)
+
+
+class BatchNormLM(nn.Module):
+    """A language model shardwise did not write with a BatchNorm over its embedding features:
+    running statistics (buffers) that each rank updates from its own rows, and that evaluation
+    reads (DDP takes data-parallel rank 0's at every forward, as torch DDP does)."""
+
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = self.norm(h.reshape(-1, h.shape[-1])).reshape(h.shape)
+        return self.head(h)
+
+
+def batchnorm_lm(cfg) -> BatchNormLM:
+    """``--model user_models:batchnorm_lm``: the run's vocabulary and width."""
+    return BatchNormLM(cfg.vocab_size, cfg.n_embd)

@@ -22,7 +22,10 @@ Collectives, per step: the group's own gradient reduction (DDP's allreduce over 
 ZeRO's reduce-scatter into this rank's 1/g gradient shards), then, when two or more groups are
 live, one allreduce (sum) over the lane of this in-group rank (comm/replicas.py) of [what that
 reduction left on this rank: DDP's whole gradient buckets, ZeRO's gradient shards, of its tp
-slice and its stage | this rank's loss], divided by L. The component calls
+slice and its stage | the model's floating-point buffers | this rank's loss], divided by L
+(the buffers, BatchNorm's running statistics, are not averaged: only the first live group
+puts its own in, the others zeros, so every group continues with the first live group's, as
+DDP gives every forward dp rank 0's). The component calls
 :meth:`ReplicaGroups.reduce` exactly once a step, in its ``_finish_grad_sync``, when those are
 final and before clipping, the fp16 verdict or the optimizer read them; so the norm clipping
 (its squares then summed over tp and pp by the TensorPlan) sees, and the optimizer steps on, the
@@ -269,22 +272,36 @@ class ReplicaGroups:
         if len(d.members) == 1:
             self.loss = local
             return
-        total = sum(b.numel() for b in buffers) + 1
+        stats = self._running_buffers()
+        total = sum(b.numel() for b in buffers) + sum(b.numel() for b in stats) + 1
         if self.flat is None or self.flat.numel() != total:
             self.flat = torch.empty(total, dtype=torch.float32, device=buffers[0].device)
         views, at = [], 0
-        for b in buffers:
+        for b in (*buffers, *stats):
             views.append(self.flat[at:at + b.numel()])
             views[-1].copy_(b.reshape(-1))
             at += b.numel()
+        first = self.group == min(d.members)
+        if not first:       # the model's buffers: the first live group's, the others add 0
+            self.flat[at - sum(b.numel() for b in stats):at].zero_()
         self.flat[-1] = local
         ok = self.link.all_reduce_sum(self.flat)
         if not self.quorum.vote(d, ok, self.timeout):
             raise Redo(f"round {d.round}")
-        self.flat.div_(len(d.members))
-        for b, v in zip(buffers, views):
+        n = len(buffers)
+        for b, v in zip(buffers, views[:n]):
+            b.copy_(v.view_as(b).div(len(d.members)))
+        for b, v in zip(stats, views[n:]):
             b.copy_(v.view_as(b))
-        self.loss = self.flat[-1].clone()
+        self.loss = self.flat[-1] / len(d.members)
+
+    def _running_buffers(self) -> list[torch.Tensor]:
+        """The model's floating-point buffers (BatchNorm's running statistics): DDP gives every
+        forward dp rank 0's, torch DDP's broadcast_buffers, so across the groups every group
+        takes the first live group's after each step (lane r carries in-group rank r's; the
+        group's own broadcast then spreads rank 0's at the next forward)."""
+        model = getattr(self.strategy, "model", None)
+        return [] if model is None else [b for b in model.buffers() if b.is_floating_point()]
 
     def writes_checkpoints(self) -> bool:
         """Whether this group saves the run's checkpoints after the step just taken: the

@@ -529,6 +529,39 @@ def test_find_unused_counts_a_parameter_any_live_group_used(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_running_statistics_are_the_first_live_groups(tmp_path):
+    """A model with BatchNorm (tests/user_models.BatchNormLM) in 2 one-rank groups: DDP gives
+    every forward data-parallel rank 0's running statistics, so across groups every group
+    must hold the first live group's (the lane carries them with the gradients), or each
+    group evaluates with statistics of its own rows only. Checked: every evaluation's loss is
+    the same in both groups (it reads the running statistics), and equal to a run without
+    groups at world 2 (its rank 0 trains on the rows group 0 does) within rtol 1e-5."""
+    import user_models
+    flags = [*FLAGS[:FLAGS.index("--steps")], "--steps", "12",
+             *FLAGS[FLAGS.index("--steps") + 2:], "--model", "user_models:batchnorm_lm"]
+    flags[flags.index("--eval-every") + 1] = "3"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(user_models.__file__),
+                                          os.environ.get("PYTHONPATH", "")])}
+    base = [sys.executable, "-m", "shardwise.cli", "train", *flags, "--nproc-per-node", "2",
+            "--collective-timeout", "60", "--out-dir", str(tmp_path)]
+    for extra, name in ((["--ft-replicas", "2"], "ft"), ([], "plain")):
+        done = subprocess.run([*base, *extra, "--run-name", name], env=env,
+                              capture_output=True, text=True, timeout=150)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    def evals(folder) -> list[float]:
+        with open(os.path.join(folder, "metrics.jsonl")) as fh:
+            return [r["val_loss"] for r in map(json.loads, fh) if r.get("val_loss") is not None]
+    groups = [evals(str(tmp_path / "ft" / f"replica{g}")) for g in (0, 1)]
+    plain = evals(str(tmp_path / "plain"))
+    assert len(groups[0]) == len(plain) >= 4
+    assert groups[0] == groups[1]
+    torch.testing.assert_close(torch.tensor(groups[0], dtype=torch.float64),
+                               torch.tensor(plain, dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(180)
 def test_move_last_is_the_writer_groups_and_resumes(tmp_path):
     """``--checkpoint-move-last`` under groups: ZeRO-2 with ``--offload disk`` in 2 one-rank
     groups; at the end only the writer group (the lowest-id live one) moves its offload files
