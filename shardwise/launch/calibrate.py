@@ -130,8 +130,9 @@ class Calibration:
         lines = [f"calibrated in {self.seconds:.1f} s on {self.device}: matmul "
                  f"{r.matmul_flops / 1e9:.1f} GFLOP/s per rank ({r.threads} thread(s), "
                  f"{self.processes} ranks), GPT forward+backward {r.model_flops / 1e9:.1f} GFLOP/s"
-                 f" + {r.block_overhead * 1e3:.2f} ms per block and micro-batch, memory "
-                 f"{r.mem_bw / 1e9:.1f} GB/s, optimizer step {r.optimizer_bw / 1e9:.1f} GB/s",
+                 f" + {r.block_overhead * 1e3:.2f} ms per block and micro-batch"
+                 f"{_split(r)}, memory {r.mem_bw / 1e9:.1f} GB/s, optimizer step "
+                 f"{r.optimizer_bw / 1e9:.1f} GB/s",
                  f"one process with {w.threads} thread(s): matmul {w.matmul_flops / 1e9:.1f} "
                  f"GFLOP/s, GPT {w.model_flops / 1e9:.1f} GFLOP/s + {w.block_overhead * 1e3:.2f} ms"
                  f" per block and micro-batch"]
@@ -190,6 +191,14 @@ class Disk:
         return (f"disk ({self.path}): read {self.read_bw / 1e9:.2f} GB/s, write "
                 f"{self.write_bw / 1e9:.2f} GB/s ({fmt_bytes(self.size)} file, fsynced, page "
                 f"cache dropped), {fmt_bytes(self.free_bytes)} free")
+
+
+def _split(c: Compute) -> str:
+    """How the planner splits the GPT's rate (measure_compute), for the calibration's line."""
+    if c.activation_passes <= 0:
+        return " (as fast as the matmul: its whole-block rate is used)"
+    return (f" (GEMMs at the matmul rate, the rest {c.activation_passes:.1f} passes over its "
+            "activations)")
 
 
 def measure_disk(directory: str = "", size: int = 64 << 20, budget: float = 2.0) -> Disk | None:
