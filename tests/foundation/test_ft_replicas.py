@@ -357,6 +357,30 @@ def test_killed_group_rejoins_and_the_others_keep_stepping(tmp_path):
     _check_killed_run(run, groups=3, ranks=1, killed=2, reference=_reference(FLAGS), rtol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_background_saves_while_the_writer_group_is_killed_and_rejoins(tmp_path):
+    """``--checkpoint-async --checkpoint-every 4`` over 2 one-rank DDP groups, group 0 (the
+    writer) killed at step 20: group 1 writes the checkpoints while it is away, then group 0
+    rejoins and writes again, group 1 finishing its own save before that (the hand-over of
+    ReplicaGroups.finish_saves). Checked: the usual rejoin semantics and losses, ``latest``
+    names the last step, every kept checkpoint is intact (checksums), no ``.partial`` folder
+    is left, and the kept checkpoints are the newest ones."""
+    from shardwise.checkpoint import store
+    ckpt = str(tmp_path / "ckpt")
+    flags = [*FLAGS, "--checkpoint-dir", ckpt, "--checkpoint-every", "4", "--checkpoint-async"]
+    run = _run_killed(tmp_path, flags, nproc=2, groups=2, killed=0)
+    _check_killed_run(run, groups=2, ranks=1, killed=0,
+                      reference=_reference(flags[:flags.index("--checkpoint-dir")]), rtol=1e-5)
+    names = sorted(os.listdir(ckpt))
+    assert not [n for n in names if n.endswith(".partial")], names
+    assert os.path.basename(store.latest(ckpt)) == f"step-{STEPS}"
+    kept = store.steps(ckpt)
+    assert kept[-1] == STEPS and kept == sorted(kept)
+    for step in kept:
+        assert store.damage(os.path.join(ckpt, store.step_name(step))) is None, step
+
+
 def _zero_flags(stage: int) -> list[str]:
     """FLAGS at ZeRO ``stage`` with ~0.05 MB buckets (stages 1-2; stage 3's units are the
     blocks), so each rank reduces several shards, and a batch of 8 (equal shares for 1 or 2
