@@ -123,6 +123,11 @@ class ReplicaGroups:
         self.current: Decision | None = None
         self.pending: Decision | None = None
         self.flat, self.loss = None, None
+        # the model's floating-point buffers (BatchNorm's running statistics): DDP gives every
+        # forward dp rank 0's (torch DDP's broadcast_buffers), so every group takes the first
+        # live group's after each step (lane r carries in-group rank r's; the group's own
+        # broadcast spreads rank 0's at the next forward); found at the first reduce
+        self.stats: list[torch.Tensor] | None = None
         self.kill_at, self.hold_until = self._kill_hook()
         self.pace = float(os.environ.get(ENV_PACE) or 0)
         self.finish_saves = None          # run/train.py: waits for a --checkpoint-async save
@@ -272,36 +277,31 @@ class ReplicaGroups:
         if len(d.members) == 1:
             self.loss = local
             return
-        stats = self._running_buffers()
-        total = sum(b.numel() for b in buffers) + sum(b.numel() for b in stats) + 1
+        if self.stats is None:      # the model's floating-point buffers, found once
+            model = getattr(self.strategy, "model", None)
+            self.stats = [] if model is None else [b for b in model.buffers()
+                                                   if b.is_floating_point()]
+        grads = sum(b.numel() for b in buffers)
+        total = grads + sum(b.numel() for b in self.stats) + 1
         if self.flat is None or self.flat.numel() != total:
             self.flat = torch.empty(total, dtype=torch.float32, device=buffers[0].device)
-        views, at = [], 0
-        for b in (*buffers, *stats):
-            views.append(self.flat[at:at + b.numel()])
-            views[-1].copy_(b.reshape(-1))
-            at += b.numel()
         first = self.group == min(d.members)
-        if not first:       # the model's buffers: the first live group's, the others add 0
-            self.flat[at - sum(b.numel() for b in stats):at].zero_()
+        views, at = [], 0
+        for i, b in enumerate((*buffers, *self.stats)):
+            views.append(self.flat[at:at + b.numel()])
+            if i < len(buffers) or first:   # buffers: the first live group's, the others add 0
+                views[-1].copy_(b.reshape(-1))
+            else:
+                views[-1].zero_()
+            at += b.numel()
         self.flat[-1] = local
         ok = self.link.all_reduce_sum(self.flat)
         if not self.quorum.vote(d, ok, self.timeout):
             raise Redo(f"round {d.round}")
-        n = len(buffers)
-        for b, v in zip(buffers, views[:n]):
-            b.copy_(v.view_as(b).div(len(d.members)))
-        for b, v in zip(stats, views[n:]):
+        self.flat[:grads].div_(len(d.members))
+        for b, v in zip((*buffers, *self.stats), views):
             b.copy_(v.view_as(b))
         self.loss = self.flat[-1] / len(d.members)
-
-    def _running_buffers(self) -> list[torch.Tensor]:
-        """The model's floating-point buffers (BatchNorm's running statistics): DDP gives every
-        forward dp rank 0's, torch DDP's broadcast_buffers, so across the groups every group
-        takes the first live group's after each step (lane r carries in-group rank r's; the
-        group's own broadcast then spreads rank 0's at the next forward)."""
-        model = getattr(self.strategy, "model", None)
-        return [] if model is None else [b for b in model.buffers() if b.is_floating_point()]
 
     def writes_checkpoints(self) -> bool:
         """Whether this group saves the run's checkpoints after the step just taken: the

@@ -243,9 +243,7 @@ def _checkpoint(engine: Engine, cfg: Config, done: int, last: bool, saved: int,
     if signum:
         if saved != done:
             checkpoint.save(engine, cfg, done)
-        pending = getattr(engine, "checkpoint_async", None)
-        if pending is not None:      # a background save of this step: stop once it is written
-            pending.wait()
+        _finish_background_save(engine)   # a background save of this step: written first
         stop.stop(signum)
     return saved
 
