@@ -143,11 +143,13 @@ class OffloadStore:
         regions = (self._maps.get(t.data_ptr()) for t in tensors if t is not None)
         return [r for r in regions if r is not None]
 
-    def prefetch(self, tensors, write: bool = False) -> None:
+    def prefetch(self, tensors, write: bool = False, cache_only: bool = False) -> None:
         """Disk: read these tensors' pages in on the background thread (they are about to be
-        used; ``write``: to be overwritten, so map them writable); elsewhere nothing to do."""
+        used; ``write``: to be overwritten, so map them writable; ``cache_only``: into the
+        kernel's page cache, not mapped into this process, for data the training thread copies
+        out and drops at once); elsewhere nothing to do."""
         if self.io is not None:
-            self.io.prefetch(self._regions(tensors), write)
+            self.io.prefetch(self._regions(tensors), write, cache_only)
 
     def release(self, tensors, written: bool = True) -> None:
         """Disk: drop these tensors' pages from resident memory now and, if ``written`` (they

@@ -15,8 +15,13 @@ while the training thread computes:
                           optimizer states are resident before the training thread touches them
                           (read-only, so unchanged pages are never written back; with ``write``,
                           for what the step overwrites anyway, mapped writable:
-                          ``MADV_POPULATE_WRITE``)
-    write_back(regions)   drop the pages from this process at once, on the calling thread
+                          ``MADV_POPULATE_WRITE``); with ``cache_only``, into the kernel's page
+                          cache only (``MADV_WILLNEED``), for a shard the training thread
+                          copies into its unit and drops at once
+    write_back(regions)   drop the pages from this process at once, on the calling thread,
+                          after cancelling a read-ahead of them not yet started (or waiting
+                          for one running: a read-ahead that ran late would map them again,
+                          resident until their next use)
                           (``MADV_DONTNEED``, which only unmaps: for a shared file mapping a
                           dirty page goes to the kernel's page cache with its data, and a later
                           touch reads it back), then, when ``written`` and :attr:`DiskIO.sync`,
@@ -113,6 +118,14 @@ def populate(regions: list[Region], write: bool = False) -> None:
             _call(_libc.madvise, r, MADV_WILLNEED, "reading in")
 
 
+def readahead(regions: list[Region]) -> None:
+    """Start reading every page into the kernel's page cache (``MADV_WILLNEED``: on a shared
+    file mapping the kernel reads ahead and maps nothing), so a later touch is a minor fault
+    instead of a disk read, and nothing is resident in this process until then."""
+    for r in regions:
+        _call(_libc.madvise, r, MADV_WILLNEED, "reading ahead")
+
+
 def drop(regions: list[Region]) -> None:
     """Unmap every page from this process (their data stays in the file's page cache)."""
     for r in regions:
@@ -134,22 +147,38 @@ def sync(regions: list[Region]) -> None:
 
 
 class _Queue:
-    """One background thread and its bounded queue of jobs."""
+    """One background thread and its bounded queue of jobs, each over a list of regions."""
 
     def __init__(self, name: str, max_pending: int):
         self.max_pending = max_pending
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shardwise-{name}")
-        self.pending: deque[Future] = deque()
+        self.pending: deque[tuple[Future, list[Region]]] = deque()
 
     def submit(self, fn, regions: list[Region]) -> None:
-        while self.pending and (self.pending[0].done() or
+        while self.pending and (self.pending[0][0].done() or
                                 len(self.pending) >= self.max_pending):
-            self.pending.popleft().result()         # raises a failed job's error here
-        self.pending.append(self.pool.submit(fn, regions))
+            _settled(self.pending.popleft()[0])     # raises a failed job's error here
+        self.pending.append((self.pool.submit(fn, regions), regions))
+
+    def settle(self, regions: list[Region]) -> None:
+        """No job of this queue touches ``regions`` after this returns: one not started yet is
+        cancelled, one running is waited for (a read-ahead that ran after its chunk was done
+        with would map the chunk's pages into this process again, where they would stay
+        resident until its next use: the reader lags the training thread on a busy machine)."""
+        ids = {id(r) for r in regions}
+        for future, regs in self.pending:
+            if any(id(r) in ids for r in regs) and not future.cancel():
+                _settled(future)
 
     def drain(self) -> None:
         while self.pending:
-            self.pending.popleft().result()
+            _settled(self.pending.popleft()[0])
+
+
+def _settled(future: Future) -> None:
+    """Wait for a job; raise its error (a cancelled job has none)."""
+    if not future.cancelled():
+        future.result()
 
 
 def available_memory() -> int:
@@ -191,15 +220,19 @@ class DiskIO:
         self._writer = _Queue("offload-write", 16 * max_pending)
         self._lock = threading.Lock()     # CUDA's autograd runs backward hooks on its own thread
 
-    def prefetch(self, regions: list[Region], write: bool = False) -> None:
+    def prefetch(self, regions: list[Region], write: bool = False,
+                 cache_only: bool = False) -> None:
         if regions:
+            job = readahead if cache_only else functools.partial(populate, write=write)
             with self._lock:
-                self._reader.submit(functools.partial(populate, write=write), regions)
+                self._reader.submit(job, regions)
 
     def write_back(self, regions: list[Region], written: bool = True) -> None:
         """Drop the pages now; write them to the disk in the background (``written``: they
         may have changed since the last write-back)."""
         if regions:
+            with self._lock:
+                self._reader.settle(regions)
             drop(regions)
             if written and self.sync:
                 with self._lock:

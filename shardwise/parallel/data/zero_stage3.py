@@ -185,6 +185,12 @@ class Zero3Strategy(ZeroStrategy):
         src = c.shard
         if src.device != self.device:         # offloaded from a GPU: to the device first
             src = c.extra["src"] = src.to(self.device, non_blocking=True)
+        elif self.params_offloaded and self.store.place == "disk":
+            # the shard into its own slot of the unit, its file's pages dropped again, and the
+            # gather made in place: no page of the shard is resident while the gather runs
+            src = c.layout.shard(c.full, self.group.rank)
+            src.copy_(c.shard)
+            self.store.release([c.shard], written=False)
         c.extra["work"] = self._all_gather(c.full, src, async_op=async_op)
         c.extra["state"] = INFLIGHT
 
@@ -198,19 +204,24 @@ class Zero3Strategy(ZeroStrategy):
         c.extra["work"].wait()
         self.memory.release("backend", c.extra.pop("backend"))
         c.extra["work"], c.extra["state"] = None, HELD
-        c.extra.pop("src", None)
-        if self.params_offloaded:
+        if c.extra.pop("src", None) is not None:
             self.store.release([c.shard], written=False)   # gathered: may leave RAM again
 
     def _prefetch(self, index: int, backward: bool) -> None:
         """Start the all-gather of unit ``index`` (the next in this direction). With disk
-        offload its shard is read in on a background thread: the backend's, which runs the
-        asynchronous gather on a CPU run; else the store's (a blocking gather; a GPU run,
-        whose copy to the device is made on this thread)."""
-        if self.params_offloaded and (not self.overlap or self.device.type != "cpu"):
-            ahead = index + (1 if self.overlap else 0) * (-1 if backward else 1)
+        offload the store's reader thread reads ahead the shard gathered next: on a CPU run
+        with overlap the one after ``index`` (``index``'s is copied into its unit now, on this
+        thread, and the gather runs in place), into the page cache only (nothing of it
+        resident in this process before its copy); else ``index``'s, mapped (a blocking gather,
+        or a GPU run's copy to the device, reads it on this thread)."""
+        if self.params_offloaded:
+            step = -1 if backward else 1
+            ahead = index + (step if self.overlap else 0)
             if 0 <= ahead < len(self.chunks):
-                self.store.prefetch([self.chunks[ahead].shard])
+                # a CPU run copies the shard into the unit on this thread when its gather
+                # starts: into the page cache only, so the copy does not wait for the disk
+                self.store.prefetch([self.chunks[ahead].shard],
+                                    cache_only=self.device.type == "cpu")
         if self.overlap and 0 <= index < len(self.chunks):
             c = self.chunks[index]
             if not backward or c.extra["backward"]:
