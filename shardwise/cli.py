@@ -126,6 +126,9 @@ def check_train(argv: list[str]) -> tuple[Config, argparse.Namespace, int]:
     cfg = prelaunch.resolve_model_data(cfg, args, world)   # --dataset text tokenized here, once
     check_model_names(cfg)          # --freeze / --lora-targets against the model's names
     launch.check_restarts(cfg)      # --max-restarts needs --checkpoint-dir
+    if cfg.parallel.ft_rejoin_nproc and not launch.under_launcher():
+        from shardwise.launch import replicas    # a group of another size resumes resharded
+        replicas.check_rejoin(cfg, world)
     cfg = prelaunch.resume_after_restart(cfg)   # a world torchrun restarted continues from `latest`
     check_checkpoint(*replicas_checks.as_group(cfg, world))   # --checkpoint-dir / --resume
     #                 (shardwise/checkpoint/checks.py; under --ft-replicas: a group's world)

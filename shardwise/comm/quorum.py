@@ -9,26 +9,28 @@ group id; r: a rank inside its group):
                   still starting, or held back, beats nothing, so its group's old members are
                   seen dead STALE_S after the kill rather than alive by the new process's beat)
     n/reg/g       how many of group g's ranks registered for round n (an atomic add)
-    n/info/g      "step,synced,fresh" of group g in round n
+    n/info/g      "step,synced,fresh,size" of group g in round n (size: its rank count, which
+                  a group the launcher restarted at --ft-rejoin-nproc ranks changes)
     n/stop        the signal a rank registering for round n was asked to stop by (set before
                   its registration, so the proposer, who waits for the registrations, sees it)
     n/decision    the round's decision, written once (compare_set):
-                  "members|synced|step|link|stop"
+                  "members|synced|step|link|stop|sizes"
     n/vote/g/r    "1" when rank r of group g finished round n's cross-group reduction, "0" not
     latest        a recent round (a joining group starts looking there)
     done          set by a group that trained its last step
 
 The rule of round n (:func:`propose` is its pure part): the expected groups are round n-1's
 members (round 0: every group). A registered rank polls until the decision exists; it proposes
-once every expected group has all its ranks registered, or every expected group that has not
-has a rank whose heartbeat stood still for STALE_S (dead; never in round 0, where groups are
-still starting), or ``bound`` seconds passed. ``compare_set`` keeps the first proposal, and
-every rank reads that one: one decision per round, whoever wrote it. Members: every group whose
-ranks all registered; synced: the members that hold the training state (a restarted group
-does not); step: the synced members' step; link: n when the members differ from round n-1's
-or a member asks for a fresh link (after a failure, or joining), else round n-1's link; stop:
-the signal any registered rank asked to stop by (0: none), so every member of the round stops
-at the same step boundary (parallel/replicas.py).
+once every expected group has all its ranks registered (as many as its size says), or every
+expected group that has not has a rank whose heartbeat stood still for STALE_S (dead; never in
+round 0, where groups are still starting), or ``bound`` seconds passed. ``compare_set`` keeps
+the first proposal, and every rank reads that one: one decision per round, whoever wrote it.
+Members: every group whose ranks all registered; synced: the members that hold the training
+state (a restarted group does not); step: the synced members' step; link: n when the members
+(or their sizes) differ from round n-1's or a member asks for a fresh link (after a failure, or joining), else
+round n-1's link; stop: the signal any registered rank asked to stop by (0: none), so every
+member of the round stops at the same step boundary (parallel/replicas.py); sizes: each member's
+rank count (the groups may differ: parallel/replicas.py then reduces over the groups' leaders).
 
 Commit (:meth:`Quorum.vote`): after the cross-group reduction every rank of every member votes;
 the round commits only when all voted "1", so a peer that died mid-reduction makes every
@@ -57,16 +59,30 @@ class Decision:
     step: int                    # the step the members take
     link: int                    # the round whose cross-group process group they use
     stop: int = 0                # a signal: the members stop before this step (0: they train)
+    sizes: tuple[int, ...] = ()  # each member's rank count, in the order of ``members``
 
     def encode(self) -> str:
         return "|".join([",".join(map(str, self.members)), ",".join(map(str, self.synced)),
-                         str(self.step), str(self.link), str(self.stop)])
+                         str(self.step), str(self.link), str(self.stop),
+                         ",".join(map(str, self.sizes))])
 
     @staticmethod
     def decode(n: int, text: str) -> "Decision":
-        members, synced, step, link, stop = text.split("|")
+        members, synced, step, link, stop, sizes = text.split("|")
         ids = lambda s: tuple(int(v) for v in s.split(",") if v)   # noqa: E731
-        return Decision(n, ids(members), ids(synced), int(step), int(link), int(stop))
+        return Decision(n, ids(members), ids(synced), int(step), int(link), int(stop),
+                        ids(sizes))
+
+    def size_of(self, group: int) -> int | None:
+        """Member ``group``'s rank count (None: not a member, or sizes unknown)."""
+        if group not in self.members or not self.sizes:
+            return None
+        return self.sizes[self.members.index(group)]
+
+    @property
+    def even(self) -> bool:
+        """Whether every member has the same rank count (lane r pairs rank r of each)."""
+        return len(set(self.sizes)) <= 1
 
     @property
     def source(self) -> int:
@@ -75,15 +91,17 @@ class Decision:
 
 
 def propose(n: int, infos: dict[int, tuple[int, bool, bool]], prev: Decision | None,
-            stop: int = 0) -> Decision:
-    """Round n's proposal from the fully registered groups' (step, synced, fresh) and the
-    signal a registered rank asked to stop by (0: none)."""
+            stop: int = 0, sizes: dict[int, int] | None = None) -> Decision:
+    """Round n's proposal from the fully registered groups' (step, synced, fresh), the
+    signal a registered rank asked to stop by (0: none) and each group's rank count."""
     members = tuple(sorted(infos))
     synced = tuple(g for g in members if infos[g][1])
     steps = {infos[g][0] for g in (synced or members[:1])}
     step = min(steps)          # the synced groups are in lock-step: one value
-    fresh = prev is None or prev.members != members or any(infos[g][2] for g in members)
-    return Decision(n, members, synced, step, n if fresh else prev.link, stop)
+    counts = tuple(sizes[g] for g in members) if sizes else ()
+    fresh = prev is None or prev.members != members or prev.sizes != counts or \
+        any(infos[g][2] for g in members)
+    return Decision(n, members, synced, step, n if fresh else prev.link, stop, counts)
 
 
 def serve(host: str = "127.0.0.1") -> dist.TCPStore:
@@ -142,10 +160,11 @@ class Quorum:
         key = f"{n}/decision"
         return Decision.decode(n, self.store.get(key).decode()) if self._has(key) else None
 
-    def _alive(self, g: int) -> bool:
-        """False once any rank of group g has had a still heartbeat for STALE_S."""
+    def _alive(self, g: int, size: int | None = None) -> bool:
+        """False once any rank of group g (``size`` ranks; default: this group's count) has
+        had a still heartbeat for STALE_S."""
         now = time.monotonic()
-        for r in range(self.ranks):
+        for r in range(size or self.ranks):
             beat = self._count(f"hb/{g}/{r}")
             last = self._seen.get((g, r))
             if last is None or last[0] != beat:
@@ -179,10 +198,12 @@ class Quorum:
         self._start_heartbeat()
         if stop:
             self.store.set(f"{n}/stop", str(stop))
-        self.store.set(f"{n}/info/{self.group}", f"{step},{int(synced)},{int(fresh)}")
+        self.store.set(f"{n}/info/{self.group}",
+                       f"{step},{int(synced)},{int(fresh)},{self.ranks}")
         self.store.add(f"{n}/reg/{self.group}", 1)
         prev = self._decision(n - 1) if n > 0 else None
         expected = prev.members if prev is not None else tuple(range(self.groups))
+        sizes: dict[int, int] = {}      # each registering group's rank count (its info)
         began = time.monotonic()
         while True:
             found = self._decision(n)
@@ -190,20 +211,29 @@ class Quorum:
                 return found
             if not synced and self.finished():
                 raise RunFinished("the other replica groups finished the run")
-            full = [g for g in range(self.groups) if self._count(f"{n}/reg/{g}") >= self.ranks]
+            full = [g for g in range(self.groups) if self._full(n, g, sizes)]
             missing = [g for g in expected if g not in full]
             waited = time.monotonic() - began
-            if not missing or waited > bound or (n > 0 and not any(map(self._alive, missing))):
+            alive = lambda g: self._alive(g, prev.size_of(g) if prev else None)  # noqa: E731
+            if not missing or waited > bound or (n > 0 and not any(map(alive, missing))):
                 return self._settle(n, full, prev)
             time.sleep(POLL_S)
 
+    def _full(self, n: int, g: int, sizes: dict[int, int]) -> bool:
+        """Whether every rank of group g registered for round n (its info gives the count)."""
+        count = self._count(f"{n}/reg/{g}")
+        if count and g not in sizes:
+            sizes[g] = int(self.store.get(f"{n}/info/{g}").decode().split(",")[3])
+        return count > 0 and count >= sizes[g]
+
     def _settle(self, n: int, full: list[int], prev: Decision | None) -> Decision:
-        infos = {}
+        infos, sizes = {}, {}
         for g in full:
-            step, synced, fresh = self.store.get(f"{n}/info/{g}").decode().split(",")
+            step, synced, fresh, size = self.store.get(f"{n}/info/{g}").decode().split(",")
             infos[g] = (int(step), synced == "1", fresh == "1")
+            sizes[g] = int(size)
         stop = int(self.store.get(f"{n}/stop").decode()) if self._has(f"{n}/stop") else 0
-        text = propose(n, infos, prev, stop).encode()
+        text = propose(n, infos, prev, stop, sizes).encode()
         decided = self.store.compare_set(f"{n}/decision", "", text).decode()
         self.store.set("latest", str(n))
         return Decision.decode(n, decided)
@@ -211,7 +241,8 @@ class Quorum:
     def vote(self, d: Decision, ok: bool, bound: float) -> bool:
         """This rank's vote on round d; True when every rank of every member voted "1"."""
         self.store.set(f"{d.round}/vote/{self.group}/{self.rank}", "1" if ok else "0")
-        keys = [(g, f"{d.round}/vote/{g}/{r}") for g in d.members for r in range(self.ranks)]
+        keys = [(g, f"{d.round}/vote/{g}/{r}") for g in d.members
+                for r in range(d.size_of(g) or self.ranks)]
         began = time.monotonic()
         while True:
             present = [(g, k) for g, k in keys if self._has(k)]
@@ -220,6 +251,7 @@ class Quorum:
             if len(present) == len(keys):
                 return True
             absent = {g for g, k in keys if (g, k) not in present}
-            if time.monotonic() - began > bound or not all(map(self._alive, absent)):
+            if time.monotonic() - began > bound or \
+                    not all(self._alive(g, d.size_of(g)) for g in absent):
                 return False
             time.sleep(POLL_S)

@@ -6,10 +6,14 @@ with index = the group's position among the members, built when a decision names
 reused while the members stay. Its collectives are the backend's own, called on the object
 (it is not registered with the world's c10d state, which belongs to the group's own world).
 Nothing here raises on a lost peer: :meth:`ReplicaLink.all_reduce_sum` returns False, and the
-quorum's vote decides what happens next.
+quorum's vote decides what happens next. When the members have different rank counts
+(``--ft-rejoin-nproc``: DDP only) only the lane of in-group rank 0, the groups' *leaders*, is
+built; what its leader received reaches a group's other ranks by :func:`broadcast_state` (or a
+plain broadcast of the flat) over the group's own world.
 
 Metering (on the rank's CommMeter, op ``ft_all_reduce`` / ``ft_state``): the ring figure for
-the all-reduce (2(N-1)/N x K bytes sent and received), the exact bytes for the state copies.
+the all-reduce (2(N-1)/N x K bytes sent and received), the exact bytes for the state copies
+(the in-group broadcast of a state: the Comm's own figure, named ``ft_state``).
 """
 from __future__ import annotations
 
@@ -20,7 +24,30 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardwise.comm.collectives import CommMeter
+from shardwise.comm.collectives import Comm, CommMeter, Group
+
+
+def _to_bytes(state: dict) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(data: torch.Tensor) -> dict:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu",
+                      weights_only=False)
+
+
+def broadcast_state(comm: Comm, group: Group, state: dict | None) -> dict:
+    """``state`` (given on member 0 of ``group``, None elsewhere) on every member: its
+    torch.save bytes, their count first (two broadcasts over ``group``, host tensors)."""
+    data = _to_bytes(state) if group.rank == 0 else None
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+    comm.broadcast(size, 0, group, name="ft_state")
+    if data is None:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    comm.broadcast(data, 0, group, name="ft_state")
+    return state if group.rank == 0 else _from_bytes(data)
 
 
 class ReplicaLink:
@@ -46,9 +73,7 @@ class ReplicaLink:
 
     def send_state(self, state: dict, receivers: list[int]) -> None:
         """Send a state dict (torch.save's bytes) to each member index in ``receivers``."""
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        data = _to_bytes(state)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         for dst in receivers:
             self.pg.send([size], dst, 0).wait()
@@ -62,5 +87,4 @@ class ReplicaLink:
         data = torch.empty(int(size), dtype=torch.uint8)
         self.pg.recv([data], src, 1).wait()
         self.meter.record("ft_state", 0, data.numel() + 8)
-        return torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu",
-                          weights_only=False)
+        return _from_bytes(data)

@@ -155,6 +155,12 @@ class ParallelConfig:
                           "loses a rank is dropped from the gradient average while the others "
                           "keep stepping, and rejoins (restarted by --max-restarts) with a live "
                           "group's weights and optimizer state; 0 = off (docs/checkpoints.md)")
+    ft_rejoin_nproc: int = _f(0, "replica groups (--ft-replicas): a group that loses a rank is "
+                              "restarted by shardwise's launcher (not torchrun's agent) with "
+                              "this many ranks, up to --max-restarts times per group, and "
+                              "rejoins at that size with a live group's state; DDP inside the "
+                              "groups when the size differs from world / R; 0 = off (torchrun "
+                              "restarts a group at its own size)")
 
 
 @dataclass(frozen=True)

@@ -148,9 +148,10 @@ def restarted_line(cfg: Config) -> str:
     from shardwise.parallel.replicas_checks import in_group
     group = in_group()
     if cfg.parallel.ft_replicas and group is not None:
-        total = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+        total = launch.max_restarts() or "?"
         return (f"restart {launch.restart_count()} of {total}: replica group {group} rejoins "
-                "the live groups at their next step, with their state")
+                f"the live groups at their next step, with their state "
+                f"({launch.world_size(cfg)} rank(s))")
     return launch.restart_line(restart_step(cfg))
 
 

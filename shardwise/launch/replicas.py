@@ -13,6 +13,15 @@ go to every group (SIGTERM, then SIGKILL after ``stopping.GRACE_SECONDS``); with
 all leave at one step boundary and the lowest-id live group saves that step's checkpoint (the
 only writer of the run's checkpoints: a resume starts every group from it). The launcher then
 prints one ``stopped at step N`` line.
+
+Rejoining at another size (``--ft-rejoin-nproc N``): the groups' torchruns get no
+``--max-restarts`` (their agent ends the group when a rank dies), and this launcher owns the
+restarts instead: when a group's torchrun exits with a failure and no stop was asked for, it
+prints one line and starts that group's torchrun again with N ranks, up to ``--max-restarts``
+times per group (each restart at N; SHARDWISE_FT_RESTART tells the ranks which restart they
+are, so they rejoin from a live group, and a checkpoint resume applies as under torchrun's
+restarts). The survivors are never touched. A group whose restarts are spent leaves the run
+(its failure line; the others train on, and the run's exit code is its failure's).
 """
 from __future__ import annotations
 
@@ -24,9 +33,10 @@ import sys
 import time
 
 from shardwise.comm.quorum import serve
-from shardwise.config import Config
+from shardwise.config import Config, ConfigError
 from shardwise.launch.torchrun import _ranks_env, _StderrRelay, torchrun_command
-from shardwise.parallel.replicas_checks import ENV_GROUP, ENV_STORE
+from shardwise.parallel.replicas_checks import (ENV_GROUP, ENV_MAX_RESTARTS, ENV_RESTART,
+                                                ENV_STORE)
 from shardwise.run import stopping
 
 
@@ -34,64 +44,124 @@ def group_folder(run_dir: str, group: int) -> str:
     return os.path.join(run_dir, f"replica{group}")
 
 
+def check_rejoin(cfg: Config, world: int) -> None:
+    """``--ft-rejoin-nproc N`` with ``--checkpoint-dir``: a group restarted at N ranks resumes
+    the run's newest checkpoint (saved by a group of world / R ranks) before it takes the live
+    state, and a ``--resume`` of the run may read one a group of N ranks saved: both reshard,
+    so the layout must (ConfigError, one line, before launch)."""
+    n, r = cfg.parallel.ft_rejoin_nproc, cfg.parallel.ft_replicas
+    if n <= 0 or not r or not cfg.train.checkpoint_dir or n == world // r:
+        return
+    from shardwise.checkpoint.canonical import why_not_reshardable
+    why = why_not_reshardable(cfg)
+    if why:
+        raise ConfigError("parallel.ft_rejoin_nproc", n, f"with --checkpoint-dir, a group "
+                          f"restarted at {n} rank(s) resumes checkpoints saved by groups of "
+                          f"{world // r} (and back), resharded, and {why}",
+                          f"use --ft-rejoin-nproc {world // r}, or drop --checkpoint-dir")
+
+
 def launch(cfg: Config, world: int, argv: list[str], run_dir: str, quiet: bool = False) -> int:
     """Run the R groups to the end; return the worst exit code (128 + N after signal N)."""
     groups = cfg.parallel.ft_replicas
     per = world // groups
     store = serve()
-    restarts = cfg.train.max_restarts
+    owned = bool(cfg.parallel.ft_rejoin_nproc)     # this launcher restarts the groups
     procs = []
     for g in range(groups):
-        folder = group_folder(run_dir, g)
-        os.makedirs(folder, exist_ok=True)
-        cmd = torchrun_command(per, ["train", *argv, "--out-dir", run_dir, "--run-name",
-                                     f"replica{g}"], restarts)
-        env = {**_ranks_env(folder, restarts), ENV_GROUP: str(g),
-               ENV_STORE: f"127.0.0.1:{store.port}"}
+        os.makedirs(group_folder(run_dir, g), exist_ok=True)
+        procs.append(_Group(g, cfg, argv, run_dir, store.port, per))
         if not quiet and g == 0:
-            shown = ["torchrun", *cmd[3:]]
+            shown = ["torchrun", *procs[0].cmd[3:]]
             print(f"launching {groups} replica groups of {per} rank(s), each: "
                   + " ".join(shlex.quote(c) for c in shown), flush=True)
-        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True,
-                                      stderr=subprocess.PIPE,
-                                      preexec_fn=lambda: stopping.die_with_parent(signal.SIGKILL)))
-    # each group's stderr passes through, and once a stop began goes to its launcher.log
-    # (torchrun's own report on the signal, each rank's goodbye): the person reads one line
-    relays = [_StderrRelay(p.stderr, os.path.join(group_folder(run_dir, g), "launcher.log"),
-                           divert_on_error=False) for g, p in enumerate(procs)]
     try:
-        return _wait(procs, store, [group_folder(run_dir, g) for g in range(groups)], relays)
+        return _wait(procs, store, [group_folder(run_dir, g) for g in range(groups)], owned)
     finally:
-        for relay in relays:
+        for p in procs:
+            p.join()
+
+
+class _Group:
+    """One replica group's torchrun (and its stderr relay), started again by :meth:`restart`
+    under ``--ft-rejoin-nproc`` (module docstring)."""
+
+    def __init__(self, g: int, cfg: Config, argv: list[str], run_dir: str, port: int,
+                 nproc: int):
+        self.g, self.cfg, self.argv, self.run_dir, self.port = g, cfg, argv, run_dir, port
+        self.restarts, self.relays = 0, []
+        self._start(nproc)
+
+    def _start(self, nproc: int) -> None:
+        folder = group_folder(self.run_dir, self.g)
+        restarts = self.cfg.train.max_restarts
+        owned = bool(self.cfg.parallel.ft_rejoin_nproc)
+        self.cmd = torchrun_command(nproc, ["train", *self.argv, "--out-dir", self.run_dir,
+                                            "--run-name", f"replica{self.g}"],
+                                    0 if owned else restarts)
+        env = {**_ranks_env(folder, restarts), ENV_GROUP: str(self.g),
+               ENV_STORE: f"127.0.0.1:{self.port}"}
+        if owned:
+            env.update({ENV_RESTART: str(self.restarts), ENV_MAX_RESTARTS: str(restarts)})
+        self.proc = subprocess.Popen(self.cmd, env=env, start_new_session=True,
+                                     stderr=subprocess.PIPE,
+                                     preexec_fn=lambda: stopping.die_with_parent(signal.SIGKILL))
+        # the group's stderr passes through, and once a stop began goes to its launcher.log
+        # (torchrun's own report on the signal, each rank's goodbye): the person reads one line
+        self.relays.append(_StderrRelay(self.proc.stderr, os.path.join(folder, "launcher.log"),
+                                        divert_on_error=False))
+
+    def restart(self) -> bool:
+        """Start the group again at --ft-rejoin-nproc ranks; False when its restarts are spent."""
+        if self.restarts >= self.cfg.train.max_restarts:
+            return False
+        self.restarts += 1
+        n = self.cfg.parallel.ft_rejoin_nproc
+        print(f"replica group {self.g}: torchrun exited with {_code(self.proc.returncode)}; "
+              f"restarting it with {n} rank(s) (restart {self.restarts} of "
+              f"{self.cfg.train.max_restarts}); the other groups train on", file=sys.stderr,
+              flush=True)
+        self._start(n)      # the old relay reads on until the old group's last process is gone
+        return True
+
+    def divert(self) -> None:
+        for relay in self.relays:
+            relay.divert()
+
+    def join(self) -> None:
+        for relay in self.relays:
             relay.join()
 
 
-def _wait(procs: list[subprocess.Popen], store, folders: list[str], relays: list) -> int:
+def _wait(procs: list[_Group], store, folders: list[str], owned: bool) -> int:
     got: list[int] = []
 
     def forward(signum, frame):
         if not got:
             got.append(signum)
-            for p, relay in zip(procs, relays):
-                relay.divert()
-                _signal(p, signal.SIGTERM)
+            for p in procs:
+                p.divert()
+                _signal(p.proc, signal.SIGTERM)
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     codes: dict[int, int] = {}
     deadline = None
     try:
         while len(codes) < len(procs):
             for g, p in enumerate(procs):
-                if g not in codes and p.poll() is not None:
-                    codes[g] = p.returncode
-                    if p.returncode and not got:
-                        print(f"error: replica group {g}: torchrun exited with "
-                              f"{_code(p.returncode)} (its restarts are spent, or it failed "
-                              "at start); the other groups train on", file=sys.stderr, flush=True)
+                if g in codes or p.proc.poll() is None:
+                    continue
+                if p.proc.returncode and not got and owned and p.restart():
+                    continue
+                codes[g] = p.proc.returncode
+                if p.proc.returncode and not got:
+                    print(f"error: replica group {g}: torchrun exited with "
+                          f"{_code(p.proc.returncode)} (its restarts are spent, or it failed "
+                          "at start); the other groups train on", file=sys.stderr, flush=True)
             if got and deadline is None:
                 deadline = time.monotonic() + stopping.GRACE_SECONDS
             if deadline is not None and time.monotonic() > deadline:
                 for p in procs:
-                    _signal(p, signal.SIGKILL)
+                    _signal(p.proc, signal.SIGKILL)
             time.sleep(0.1)
     finally:
         for s, h in old.items():

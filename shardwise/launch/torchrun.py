@@ -30,6 +30,7 @@ from shardwise.launch import hang
 from shardwise.run import stopping
 from shardwise.config import Config, ConfigError
 from shardwise.parallel.presets import SINGLE_PROCESS, has_roles
+from shardwise.parallel.replicas_checks import ENV_MAX_RESTARTS, ENV_RESTART
 
 
 def under_launcher() -> bool:
@@ -139,17 +140,27 @@ def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list
 
 def restart_count() -> int:
     """How many times torchrun's elastic agent has restarted this world (0: the first start,
-    or no torchrun at all)."""
+    or no torchrun at all); a replica group that shardwise's launcher restarted
+    (``--ft-rejoin-nproc``) counts those restarts too."""
     if not under_launcher():
         return 0
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) + \
+        int(os.environ.get(ENV_RESTART) or 0)
+
+
+def max_restarts() -> int:
+    """The most restarts this world gets: torchrun's agent's, or those of shardwise's replica
+    launcher when it owns them (``--ft-rejoin-nproc``)."""
+    return int(os.environ.get(ENV_MAX_RESTARTS) or os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+               or 0)
 
 
 def restarts_left() -> int:
-    """How many more times torchrun's agent will restart this world after a failure."""
+    """How many more times torchrun's agent (or the replica launcher) will restart this world
+    after a failure."""
     if not under_launcher():
         return 0
-    return max(0, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) - restart_count())
+    return max(0, max_restarts() - restart_count())
 
 
 def check_restarts(cfg: Config) -> None:
@@ -163,7 +174,8 @@ def check_restarts(cfg: Config) -> None:
                           "checkpoint, and without --checkpoint-dir nothing is saved to resume "
                           "from", "add --checkpoint-dir DIR (and --checkpoint-every N)")
     agent = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
-    if n and under_launcher() and agent != str(n):
+    owned = os.environ.get(ENV_MAX_RESTARTS) == str(n)    # the replica launcher restarts
+    if n and under_launcher() and agent != str(n) and not owned:
         raise ConfigError("train.max_restarts", n, "under a launcher that shardwise did not "
                           "start, that launcher decides about restarts "
                           f"(torchrun --max-restarts: {agent or 'not torchrun'})",
@@ -175,8 +187,7 @@ def restart_line(step: int | None) -> str:
     """Rank 0's one line in a restarted world: from which step it continues."""
     where = f"resuming from step {step}" if step is not None else \
         "no checkpoint was saved yet; starting over from step 0"
-    total = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-    return f"restart {restart_count()} of {total}: {where}"
+    return f"restart {restart_count()} of {max_restarts() or '?'}: {where}"
 
 
 def keep_attempt_metrics(run_dir: str) -> None:

@@ -6,17 +6,31 @@ g dp ranks, optionally with tensor parallelism over tp and a pipeline over pp: t
 in every group), all holding the whole training state between them: in-group rank r holds
 the same part of it in every group (its stage, its tp slice, and under ZeRO its shard of
 those; under plain DDP with tp = pp = 1 all of it), since the groups have equal sizes and
-layouts. Each step the live groups
-agree on who takes part (the quorum, through the launcher's store: comm/quorum.py), train on
-equal shares of the step's global batch, and average their gradients over the live groups
-only.
+layouts (except a group the launcher restarted at ``--ft-rejoin-nproc`` ranks: below). Each
+step the live groups agree on who takes part (the quorum, through the launcher's store:
+comm/quorum.py), train on shares of the step's global batch in proportion to their dp sizes,
+and average their gradients over the live groups only.
 
 Data rule: the global batch of step s is the one a run without ``--ft-replicas`` takes (a pure
-function of seed and step: data/sampler.py); with L live groups of g dp ranks each, the group at
-position i among the members (sorted by id) and its dp rank d take rows (i*g + d) of L*g equal
-slices (a rank's tp and pp peers take the same rows). So every step trains on the whole global
-batch, whatever the live count: no batch is skipped or repeated, and the losses equal an
-uninterrupted run's up to the order of summation.
+function of seed and step: data/sampler.py), cut into one equal slice per dp rank of the live
+groups: the group at position i among the members (sorted by id), whose members before it hold
+D_i dp ranks, and its dp rank d take slice D_i + d of D = the live groups' dp sizes summed
+(replicas_checks.share; with L groups of g each: slice i*g + d of L*g; a rank's tp and pp
+peers take the same rows). So every step trains on the whole global batch, whatever the live
+groups and their sizes: no batch is skipped or repeated, and the losses equal an uninterrupted
+run's up to the order of summation.
+
+Groups of different sizes (``--ft-rejoin-nproc N``: the launcher restarts a group that lost a
+rank with N ranks; DDP only, tp = pp = cp = 1, refused otherwise before launch). Lane r no
+longer pairs like with like, but under DDP every rank of a group holds the group's whole mean
+gradient after its own allreduce, so only the *leaders* (in-group rank 0 of each member) form
+the lane: each sums [its group's mean gradient x the group's dp size | the buffers as below |
+its group's loss sum (one tiny allreduce over the group first)] over the leaders, broadcasts
+the result and its verdict over its own group, and every rank divides by D: the gradient of
+the whole batch's mean loss, the weighted sum of the groups' means (weight: their share of the
+rows). A joining group's leader receives the source leader's whole DDP state (model,
+optimizer, RNG, loss scaler) and broadcasts it over its group before anyone loads it, so the
+parameters are bit-identical across the groups afterwards.
 
 Collectives, per step: the group's own gradient reduction (DDP's allreduce over its dp group;
 ZeRO's reduce-scatter into this rank's 1/g gradient shards), then, when two or more groups are
@@ -69,6 +83,9 @@ cross-group buffer; P this rank's part: the model / (tp x pp) roughly) plus the 
 state while a join is served. Traffic per step: 2(L-1)/L x 4P bytes per rank over the lane
 under DDP, 2(L-1)/L x 4P/g under ZeRO (each lane carries one shard), and the state (model +
 optimizer, about 12P bytes with Adam; 12P/g per lane under ZeRO) once to each joining group.
+Groups of different sizes: 2(L-1)/L x 4P over the leaders' lane for each leader only, then
+a broadcast of 4P over each group (the root sends 4P, every other rank receives it), and the
+state (12P with Adam) once to the joining leader, then broadcast over its group.
 
 Reference: torchft (PyTorch), "Fault Tolerance for Large Scale Training" (the quorum, the
 per-step commit, recovery from a live peer).
@@ -84,7 +101,9 @@ import torch
 
 from shardwise.comm.collectives import CollectiveError
 from shardwise.comm.quorum import Decision, Quorum
-from shardwise.comm.replicas import ReplicaLink
+from shardwise.comm.replicas import ReplicaLink, broadcast_state
+from shardwise.parallel.replicas_checks import group_restarts, share
+from shardwise.parallel.replicas_sum import LaneSum
 
 # test hook "G:STEP:AWAY": group G's rank 0 SIGKILLs itself at the start of step STEP (its first
 # attempt), and its restart waits until the others took AWAY more rounds before it rejoins (a
@@ -122,12 +141,9 @@ class ReplicaGroups:
         self.link, self.link_id = None, None
         self.current: Decision | None = None
         self.pending: Decision | None = None
-        self.flat, self.loss = None, None
-        # the model's floating-point buffers (BatchNorm's running statistics): DDP gives every
-        # forward dp rank 0's (torch DDP's broadcast_buffers), so every group takes the first
-        # live group's after each step (lane r carries in-group rank r's; the group's own
-        # broadcast spreads rank 0's at the next forward); found at the first reduce
-        self.stats: list[torch.Tensor] | None = None
+        # the step's sum over the groups (replicas_sum.py; it also carries the first live
+        # group's floating-point buffers, BatchNorm's running statistics, to the others)
+        self.sums, self.loss = LaneSum(strategy, group), None
         self.kill_at, self.hold_until = self._kill_hook()
         self.pace = float(os.environ.get(ENV_PACE) or 0)
         self.finish_saves = None          # run/train.py: waits for a --checkpoint-async save
@@ -136,8 +152,8 @@ class ReplicaGroups:
     # -- joining --------------------------------------------------------------------------
     def join(self, start: int) -> int:
         """Rounds until this group is a member; take the source's state; return its step."""
-        self._event("start", every=True, step=start, restart=int(os.environ.get(
-            "TORCHELASTIC_RESTART_COUNT") or 0))
+        self._event("start", every=True, step=start, restart=group_restarts(),
+                    ranks=self.ranks)
         while self.hold_until is not None and self.quorum.latest() < self.hold_until \
                 and not self.quorum.finished():
             time.sleep(0.05)
@@ -172,8 +188,8 @@ class ReplicaGroups:
                 # writer save (its begin() clears .partial folders: checkpoint/store.py)
                 self.finish_saves()
             g = self.strategy.mesh.dp
-            x, y = batch(d.members.index(self.group) * g + self.strategy.mesh.dp_rank,
-                         len(d.members) * g)
+            x, y = batch(*share(d.members, self._dp_sizes(d), self.group,
+                                self.strategy.mesh.dp_rank))
             self.current = d
             try:
                 loss = self.strategy.train_step(x, y)
@@ -186,6 +202,8 @@ class ReplicaGroups:
             time.sleep(max(0.0, self.pace - (time.monotonic() - began)))
         if len(d.members) == 1:     # the group's own mean is the global one
             return loss, x, y
+        if not d.even:              # the leaders' weighted sum: every rank holds it
+            return float(self.loss), x, y
         if g == 1 and self.strategy.mesh.cp == 1:      # one lane's loss covers the group's
             return float(self.loss), x, y
         # the lanes' means, over the group's dp ranks and, under --cp, their sequence parts
@@ -222,18 +240,21 @@ class ReplicaGroups:
         reaches the same answer: when anything was attempted they agree on it first."""
         receivers = [m for m in d.members if m not in d.synced and m != d.source]
         attempted = d.link != self.link_id or (receivers and self.group in (d.source, *receivers))
+        # groups of one size: lane r pairs in-group rank r of each; else only the leaders'
+        # lane (rank 0 of each: DDP, whose every rank holds the whole state) is built
+        on_lane = d.even or self.lane == 0
         ok, state = True, None
         try:
             if d.link != self.link_id:
                 self.link, self.link_id = None, None
-                if len(d.members) > 1:
+                if len(d.members) > 1 and on_lane:
                     self.link = ReplicaLink(self.quorum.store, d.link, self.lane,
                                             d.members.index(self.group), len(d.members),
                                             self.timeout, self.strategy.comm.meter)
                 self.link_id = d.link
-            if self.group == d.source and receivers:
+            if self.group == d.source and receivers and on_lane:
                 self.link.send_state(self._state(), [d.members.index(m) for m in receivers])
-            elif self.group in receivers:
+            elif self.group in receivers and on_lane:
                 state = self.link.recv_state(d.members.index(d.source))
         except RuntimeError:
             ok = False
@@ -242,6 +263,8 @@ class ReplicaGroups:
         if not ok:
             self.link, self.link_id, self.fresh = None, None, True
             return False
+        if self.group in receivers and not d.even:    # the leader's, to the group's ranks
+            state = broadcast_state(self.strategy.comm, self.strategy.mesh.world, state)
         if state is not None:
             self._load(state)       # ZeRO: gathers the whole parameters inside this group
         return True
@@ -268,40 +291,35 @@ class ReplicaGroups:
     @torch.no_grad()
     def reduce(self, buffers: list[torch.Tensor]) -> None:
         """Average this rank's reduced gradient ``buffers`` (DDP's buckets, ZeRO's gradient
-        shards; and its loss) over the members' lane, in place; raises Redo when any member's
-        reduction failed (the buffers are then unchanged). DDP's ``find_unused`` flags come
-        last among the buffers (1 where the group gave a parameter a gradient): averaged
-        too, so a flag is above 0 where any live group used the parameter."""
+        shards; and its loss) over the live groups, in place (parallel/replicas_sum.py: over
+        the lanes when the members have one size, else the leaders' weighted sum); raises
+        Redo when any member's reduction failed (the buffers are then unchanged). DDP's
+        ``find_unused`` flags come last among the buffers (1 where the group gave a
+        parameter a gradient): summed too, so a flag is above 0 where any live group used
+        the parameter."""
         d = self.current
         local = self.strategy.local_loss
         if len(d.members) == 1:
             self.loss = local
             return
-        if self.stats is None:      # the model's floating-point buffers, found once
-            model = getattr(self.strategy, "model", None)
-            self.stats = [] if model is None else [b for b in model.buffers()
-                                                   if b.is_floating_point()]
-        grads = sum(b.numel() for b in buffers)
-        total = grads + sum(b.numel() for b in self.stats) + 1
-        if self.flat is None or self.flat.numel() != total:
-            self.flat = torch.empty(total, dtype=torch.float32, device=buffers[0].device)
         first = self.group == min(d.members)
-        views, at = [], 0
-        for i, b in enumerate((*buffers, *self.stats)):
-            views.append(self.flat[at:at + b.numel()])
-            if i < len(buffers) or first:   # buffers: the first live group's, the others add 0
-                views[-1].copy_(b.reshape(-1))
-            else:
-                views[-1].zero_()
-            at += b.numel()
-        self.flat[-1] = local
-        ok = self.link.all_reduce_sum(self.flat)
+        if d.even:
+            ok = self.sums.launch_even(self.link, buffers, local, first)
+            divisor = len(d.members)
+        else:
+            sizes = self._dp_sizes(d)
+            ok = self.sums.launch_weighted(self.link, buffers, local, first,
+                                           sizes[d.members.index(self.group)])
+            divisor = sum(sizes)
         if not self.quorum.vote(d, ok, self.timeout):
             raise Redo(f"round {d.round}")
-        self.flat[:grads].div_(len(d.members))
-        for b, v in zip((*buffers, *self.stats), views):
-            b.copy_(v.view_as(b))
-        self.loss = self.flat[-1] / len(d.members)
+        self.loss = self.sums.finish(buffers, divisor, weighted=not d.even)
+
+    def _dp_sizes(self, d: Decision) -> tuple[int, ...]:
+        """Each member's dp size (its rank count over tp x pp x cp, the same in every group)."""
+        mesh = self.strategy.mesh
+        per = mesh.world_size // mesh.dp        # ranks per dp rank
+        return tuple(s // per for s in d.sizes) if d.sizes else (mesh.dp,) * len(d.members)
 
     def writes_checkpoints(self) -> bool:
         """Whether this group saves the run's checkpoints after the step just taken: the
@@ -321,7 +339,7 @@ class ReplicaGroups:
         if len(hook) != 3 or int(hook[0]) != self.group:
             return None, None
         step, away = int(hook[1]), int(hook[2])
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0):
+        if group_restarts():
             return None, step + away
         return (step if self.lane == 0 else None), None
 
