@@ -585,6 +585,7 @@ def test_running_statistics_are_the_first_live_groups(tmp_path):
                                torch.tensor(plain, dtype=torch.float64), rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow            # 16 s; the default suite keeps the sync stop test's checkpoints
 @pytest.mark.timeout(180)
 def test_move_last_is_the_writer_groups_and_resumes(tmp_path):
     """``--checkpoint-move-last`` under groups: ZeRO-2 with ``--offload disk`` in 2 one-rank
@@ -624,7 +625,8 @@ def _metric_losses(folder: str) -> list[float]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("save", [[], ["--checkpoint-async"]], ids=["sync", "async"])
+@pytest.mark.parametrize("save", [[], pytest.param(["--checkpoint-async"], marks=pytest.mark.slow)],
+                         ids=["sync", "async"])
 def test_stop_saves_one_checkpoint_and_every_group_resumes_from_it(tmp_path, save):
     """ZeRO-2 in 2 groups of 2 ranks, 30 steps of PACE_STOP s each (so that the signal lands
     mid-run), ``--checkpoint-dir``: SIGTERM to the launcher once group 1 logged 8 steps. Every

@@ -70,6 +70,7 @@ def _single_twice(rank, n, configs, cache):
     return eager, compiled, again, first, _fx_graphs(cache)
 
 
+@pytest.mark.slow            # 23 s; the default suite compiles ZeRO-3 and a pipeline below
 def test_single_with_compile_equals_eager_and_reuses_the_cache(cache):
     configs = [_cfg("single", False), _cfg("single", True)]
     eager, compiled, again, first, second = run_world(_single_twice, 1, configs, cache,
