@@ -7,7 +7,7 @@ reused while the members stay. Its collectives are the backend's own, called on 
 (it is not registered with the world's c10d state, which belongs to the group's own world).
 Nothing here raises on a lost peer: :meth:`ReplicaLink.all_reduce_sum` returns False, and the
 quorum's vote decides what happens next. When the members have different rank counts
-(``--ft-rejoin-nproc``: DDP only) only the lane of in-group rank 0, the groups' *leaders*, is
+(``--ft-rejoin-nproc``: DDP or ZeRO) only the lane of in-group rank 0, the groups' *leaders*, is
 built; what its leader received reaches a group's other ranks by :func:`broadcast_state` (or a
 plain broadcast of the flat) over the group's own world.
 

@@ -21,15 +21,21 @@ groups and their sizes: no batch is skipped or repeated, and the losses equal an
 run's up to the order of summation.
 
 Groups of different sizes (``--ft-rejoin-nproc N``: the launcher restarts a group that lost a
-rank with N ranks; DDP only, tp = pp = cp = 1, refused otherwise before launch). Lane r no
-longer pairs like with like, but under DDP every rank of a group holds the group's whole mean
-gradient after its own allreduce, so only the *leaders* (in-group rank 0 of each member) form
+rank with N ranks; DDP or ZeRO stages 1-3, tp = pp = cp = 1, no --dp-shard, ZeRO without
+offload, refused otherwise before launch). Lane r no longer pairs like with like, but under
+DDP every rank of a group holds the group's whole mean gradient after its own allreduce
+(under ZeRO after an all-gather of its gradient shards inside the group first, into each
+chunk's whole flat, whose unpadded part is laid out alike in groups of any size:
+parallel/data/zero_resize.py), so only the *leaders* (in-group rank 0 of each member) form
 the lane: each sums [its group's mean gradient x the group's dp size | the buffers as below |
 its group's loss sum (one tiny allreduce over the group first)] over the leaders, broadcasts
 the result and its verdict over its own group, and every rank divides by D: the gradient of
 the whole batch's mean loss, the weighted sum of the groups' means (weight: their share of the
-rows). A joining group's leader receives the source leader's whole DDP state (model,
-optimizer, RNG, loss scaler) and broadcasts it over its group before anyone loads it, so the
+rows); ZeRO's ranks then copy their slices back into their gradient shards and clip by the
+whole gradient's norm. A joining group's leader receives the source leader's whole DDP state
+(model, optimizer, RNG, loss scaler; under ZeRO the layout-free state that every rank of the
+source group built together: the whole model and optimizer state by name) and broadcasts it
+over its group before anyone loads it (ZeRO: each rank its own shards of it), so the
 parameters are bit-identical across the groups afterwards.
 
 Collectives, per step: the group's own gradient reduction (DDP's allreduce over its dp group;
@@ -85,7 +91,9 @@ under DDP, 2(L-1)/L x 4P/g under ZeRO (each lane carries one shard), and the sta
 optimizer, about 12P bytes with Adam; 12P/g per lane under ZeRO) once to each joining group.
 Groups of different sizes: 2(L-1)/L x 4P over the leaders' lane for each leader only, then
 a broadcast of 4P over each group (the root sends 4P, every other rank receives it), and the
-state (12P with Adam) once to the joining leader, then broadcast over its group.
+state (12P with Adam) once to the joining leader, then broadcast over its group; under ZeRO
+also the all-gather of the gradient shards ((g-1)/g of the gradient per rank and step), and
+4P of whole gradient plus the 4P flat on every rank instead of 4P/g.
 
 Reference: torchft (PyTorch), "Fault Tolerance for Large Scale Training" (the quorum, the
 per-step commit, recovery from a live peer).
@@ -241,8 +249,11 @@ class ReplicaGroups:
         receivers = [m for m in d.members if m not in d.synced and m != d.source]
         attempted = d.link != self.link_id or (receivers and self.group in (d.source, *receivers))
         # groups of one size: lane r pairs in-group rank r of each; else only the leaders'
-        # lane (rank 0 of each: DDP, whose every rank holds the whole state) is built
+        # lane (rank 0 of each: DDP's every rank holds the whole state, ZeRO's the
+        # layout-free state its group built) is built
         on_lane = d.even or self.lane == 0
+        # ZeRO at another size: the source group's ranks build the layout-free state together
+        whole = not d.even and hasattr(self.strategy, "layout_free_state")
         ok, state = True, None
         try:
             if d.link != self.link_id:
@@ -252,8 +263,10 @@ class ReplicaGroups:
                                             d.members.index(self.group), len(d.members),
                                             self.timeout, self.strategy.comm.meter)
                 self.link_id = d.link
-            if self.group == d.source and receivers and on_lane:
-                self.link.send_state(self._state(), [d.members.index(m) for m in receivers])
+            if self.group == d.source and receivers and (on_lane or whole):
+                sent = self._state(whole)       # whole: a collective over this group
+                if on_lane:
+                    self.link.send_state(sent, [d.members.index(m) for m in receivers])
             elif self.group in receivers and on_lane:
                 state = self.link.recv_state(d.members.index(d.source))
         except RuntimeError:
@@ -276,14 +289,20 @@ class ReplicaGroups:
         self.strategy.comm.all_reduce(flag, self.strategy.mesh.world, op="min", name="ft_agree")
         return bool(flag.item() > 0)
 
-    def _state(self) -> dict:
-        """What a joining group takes: the strategy's state (rank r's), the RNG and the fp16
-        loss scaler (its scale and clean-step count: every group scales alike)."""
-        return {"strategy": self.strategy.state_dict(), "rng": torch.get_rng_state(),
+    def _state(self, whole: bool = False) -> dict:
+        """What a joining group takes: the strategy's state (rank r's; ``whole``: ZeRO's
+        layout-free state, built by every rank of this group, for a group of another size),
+        the RNG and the fp16 loss scaler (its scale and clean-step count: every group scales
+        alike)."""
+        strategy = self.strategy.layout_free_state() if whole else self.strategy.state_dict()
+        return {"strategy": strategy, "whole": whole, "rng": torch.get_rng_state(),
                 "scaler": self.strategy.scaler.state_dict()}
 
     def _load(self, state: dict) -> None:
-        self.strategy.load_state_dict(state["strategy"])
+        if state.get("whole"):      # ZeRO from a group of another size: this rank's shards
+            self.strategy.load_layout_free_state(state["strategy"])
+        else:
+            self.strategy.load_state_dict(state["strategy"])
         self.strategy.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])
 
@@ -292,7 +311,8 @@ class ReplicaGroups:
     def reduce(self, buffers: list[torch.Tensor]) -> None:
         """Average this rank's reduced gradient ``buffers`` (DDP's buckets, ZeRO's gradient
         shards; and its loss) over the live groups, in place (parallel/replicas_sum.py: over
-        the lanes when the members have one size, else the leaders' weighted sum); raises
+        the lanes when the members have one size, else the leaders' weighted sum, of ZeRO's
+        whole gradients gathered from the shards and scattered back after); raises
         Redo when any member's reduction failed (the buffers are then unchanged). DDP's
         ``find_unused`` flags come last among the buffers (1 where the group gave a
         parameter a gradient): summed too, so a flag is above 0 where any live group used
@@ -303,17 +323,22 @@ class ReplicaGroups:
             self.loss = local
             return
         first = self.group == min(d.members)
+        sharded = hasattr(self.strategy, "gather_grad_shards")
         if d.even:
             ok = self.sums.launch_even(self.link, buffers, local, first)
             divisor = len(d.members)
         else:
             sizes = self._dp_sizes(d)
+            if sharded:     # ZeRO: each chunk's whole gradient, the same layout in any group
+                buffers = self.strategy.gather_grad_shards()
             ok = self.sums.launch_weighted(self.link, buffers, local, first,
                                            sizes[d.members.index(self.group)])
             divisor = sum(sizes)
         if not self.quorum.vote(d, ok, self.timeout):
             raise Redo(f"round {d.round}")
         self.loss = self.sums.finish(buffers, divisor, weighted=not d.even)
+        if sharded and not d.even:      # this rank's slices back into its gradient shards
+            self.strategy.scatter_grad_shards(buffers)
 
     def _dp_sizes(self, d: Decision) -> tuple[int, ...]:
         """Each member's dp size (its rank count over tp x pp x cp, the same in every group)."""

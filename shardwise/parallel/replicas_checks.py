@@ -6,7 +6,8 @@ The launcher (launch/replicas.py) splits a data-parallel world of ``dp`` ranks i
 (:func:`group_config`: dp and the process count divided by R), so the same checks run before
 launch (on the whole world) and in every rank (on its group), and agree. A group the launcher
 restarted at ``--ft-rejoin-nproc N`` ranks (:func:`resized`) has N processes and dp = N (only
-DDP, tp = pp = cp = 1, rejoins at another size): its ranks check their own group's layout, the
+DDP or ZeRO 1-3, tp = pp = cp = 1, no --dp-shard, ZeRO without offload, rejoins at another
+size): its ranks check their own group's layout, the
 launcher having checked the whole world with every size a group can have (:func:`check`).
 
 Data rule (:func:`share`): the global batch of a step is cut into equal slices, one per dp rank
@@ -211,7 +212,9 @@ def _check_rejoin_flag(cfg: Config) -> None:
 
 def _check_rejoin_size(cfg: Config, ranks: int, group: int) -> int:
     """A rejoin at another size than the groups' ``ranks`` processes (``group`` dp ranks):
-    only DDP without tp, pp, cp or --dp-shard, whose every rank holds the whole state (the
+    only DDP or ZeRO stages 1-3 over the group's dp ranks, without tp, pp, cp, --dp-shard or
+    (ZeRO) offload: the leaders sum whole gradients (ZeRO's shards gathered first, whose flat
+    layout differs between sizes only in its end padding) and a joiner loads whole state (the
     lanes of the other layouts pair rank r with rank r: docs/checkpoints.md). Returns the dp
     size a restarted group has (0: no --ft-rejoin-nproc)."""
     n = cfg.parallel.ft_rejoin_nproc
@@ -227,13 +230,14 @@ def _check_rejoin_size(cfg: Config, ranks: int, group: int) -> int:
     if p.dp_shard:
         _rejoin_refuse(n, f"a group of another size than {ranks} rank(s) under --dp-shard "
                        f"{p.dp_shard} holds other HSDP shards, and the groups exchange them "
-                       "rank r with rank r", f"{keep}; or drop --dp-shard and use --strategy "
-                       "ddp")
-    stage = zero_stage(cfg)
-    if stage > 0:
+                       "rank r with rank r", f"{keep}; or drop --dp-shard (DDP or ZeRO over "
+                       "each whole group)")
+    stage, m = zero_stage(cfg), cfg.memory
+    if stage > 0 and (m.offload != "none" or m.offload_params):
         _rejoin_refuse(n, f"a group of another size than {ranks} rank(s) under ZeRO stage "
-                       f"{stage} holds other shard bounds, and the groups exchange shards rank "
-                       "r with rank r", f"{keep}; or use --strategy ddp")
+                       f"{stage} with --offload {m.offload}: the whole-gradient sum and the "
+                       "layout-free state of a rejoin at another size are built for shards "
+                       "in memory only", f"{keep}; or drop --offload")
     return n
 
 

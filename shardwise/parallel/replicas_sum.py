@@ -10,9 +10,11 @@ Two ways (parallel/replicas.py chooses by the quorum's decision, ``Decision.even
 - members of one size (:meth:`LaneSum.launch_even`): lane r sums rank r's flat over the
   members (the same pieces in every group), and :meth:`LaneSum.finish` divides the gradients
   and the loss by the live count L: the mean of the groups' means, each over an equal share.
-- members of different sizes (``--ft-rejoin-nproc``, DDP only; :meth:`LaneSum.launch_weighted`):
-  every rank holds its group's whole mean gradient, so only the leaders (in-group rank 0)
-  sum, each its group's mean x the group's dp size and its group's loss sum (one allreduce
+- members of different sizes (``--ft-rejoin-nproc``, DDP or ZeRO;
+  :meth:`LaneSum.launch_weighted`): every rank holds its group's whole mean gradient (ZeRO:
+  each chunk's unpadded flat, which parallel/replicas.py has the strategy gather from its
+  shards first and scatter back after), so only the leaders (in-group rank 0) sum, each its
+  group's mean x the group's dp size and its group's loss sum (one allreduce
   of 4 bytes over the group first); each leader broadcasts the sums and whether its lane
   succeeded over its own group, and :meth:`LaneSum.finish` divides by the live groups' total
   dp size D: the mean over every row of the step, the weighted sum of the groups' means.

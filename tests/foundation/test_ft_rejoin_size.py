@@ -11,7 +11,11 @@ group 1 comes back as one process (restart 1, one rank) that joins with group 0'
 the end both groups' final.safetensors are bit-identical; every loss either group logged
 equals one process on the whole global batch within rtol 1e-5. The same the other way round
 (2 one-rank groups, group 1 back with two ranks: its second rank takes the state, and every
-step the weighted sum, from its leader's broadcast).
+step the weighted sum, from its leader's broadcast). And with ZeRO inside the groups (ZeRO-2
+as 2 x 2 back with 1, ZeRO-3 as 2 x 1 back with 2): each group gathers its gradient shards
+into whole chunks for the leaders' sum and scatters the result back, and the joiner loads its
+own shards of the source group's layout-free state (parallel/data/zero_resize.py); the same
+checks and the same tolerance (the same sums, up to their order).
 
 The losses. The data rule (replicas_checks.share) cuts each step's global batch of 12 into
 one slice per live dp rank (4 slices with 2 + 2 ranks, 2 with group 0 alone, 3 with 2 + 1),
@@ -28,8 +32,9 @@ restart time to rejoin before the end, as in test_ft_replicas.py.
 The default suite checks what needs no launch: the data rule and every reachable live total
 as pure functions, the quorum carrying each group's size (a real store: a 2-rank and a 1-rank
 group decide one round together), a joining leader's broadcast of the state over its group (a
-forked world of 2), a rank's config in a group restarted at another size, and the refusals
-(one line, exit 2).
+forked world of 2), a rank's config in a group restarted at another size, ZeRO-2 / ZeRO-3's
+whole gradients and layout-free state across a group of 2 and one of 3 (forked worlds), and
+the refusals (one line, exit 2).
 """
 from __future__ import annotations
 
@@ -165,6 +170,79 @@ def test_a_rank_of_a_resized_group_gets_its_own_config(monkeypatch):
     assert rc.resized(cfg) and rc.group_restarts() == 1
 
 
+# -- ZeRO at another size: whole gradients and the layout-free state (zero_resize.py) ----------
+class _WholeGradients:
+    """A stand-in for ReplicaGroups' hook on groups of different sizes: it gathers each chunk's
+    whole gradient, scatters it back, and records whether the shards came back bit for bit and
+    the whole gradient's squares (which clipping then uses)."""
+
+    def __init__(self, strategy):
+        self.strategy, self.same, self.sq = strategy, [], []
+
+    def reduce(self, buffers: list[torch.Tensor]) -> None:
+        before = [b.clone() for b in buffers]
+        wholes = self.strategy.gather_grad_shards()
+        self.strategy.scatter_grad_shards([w.clone() for w in wholes])
+        self.same.append(all(torch.equal(a, b) for a, b in zip(before, buffers)))
+        self.sq.append((float(self.strategy._whole_sq),
+                        sum(float(w.double().square().sum()) for w in wholes)))
+
+
+def _zero_at_size(rank: int, n: int, stage: int, state: dict | None) -> dict:
+    """ZeRO-``stage`` on the tiny GPT (~2 KB buckets: several chunks, each padded to n).
+    Without ``state``: 2 steps through the whole-gradient hook, then the layout-free state.
+    With it: load it (another world size), then the layout-free state again."""
+    import shardwise
+    from reference import tiny_config
+    from shardwise.models import build_model
+    from shardwise.run.api import optimizer_factory
+    from dataclasses import replace
+    cfg = tiny_config(f"zero{stage}", steps=2, bucket_mb=0.002)
+    cfg = replace(cfg, train=replace(cfg.train, batch_size=6))     # splits over 2 or 3 ranks
+    engine = shardwise.prepare(build_model(cfg.model, 0), optimizer_factory(cfg), cfg)
+    zero, hook = engine.strategy, None
+    if state is None:
+        hook = zero.ft = _WholeGradients(zero)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            x = torch.randint(0, cfg.model.vocab_size, (6, 16), generator=g)
+            zero.train_step(*engine.shard(x, torch.roll(x, -1, 1)))
+    else:
+        zero.load_layout_free_state(state)
+    out = {"state": zero.layout_free_state(), "params": engine.full_state_dict(),
+           "hook": None if hook is None else (hook.same, hook.sq)}
+    engine.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_state_and_gradients_cross_group_sizes(stage):
+    """A ZeRO group of 2 ranks (chunks padded to 2) trains 2 steps: its whole gradients
+    gathered and scattered back leave every shard bit-identical, and their squares equal
+    the whole gradient's (fp64 reference: rtol 1e-5, fp32 accumulation); its layout-free
+    state, loaded by a group of 3 ranks (other padding, other shard bounds), gives back the
+    same parameters, optimizer state and buffers bit for bit."""
+    from harness import run_world
+    source = run_world(_zero_at_size, 2, stage, None, timeout=100)
+    for result in source:
+        same, squares = result["hook"]
+        assert same == [True, True]
+        for got, want in squares:
+            assert got == pytest.approx(want, rel=1e-5)
+    state = source[0]["state"]
+    joined = run_world(_zero_at_size, 3, stage, state, timeout=100)
+    for result in joined:
+        for name, value in source[0]["params"].items():
+            assert torch.equal(result["params"][name], value), name
+        for name, entry in state["optimizer"].items():
+            got = result["state"]["optimizer"][name]
+            assert got.keys() == entry.keys() and all(torch.equal(got[k], v)
+                                                      for k, v in entry.items()), name
+        for name, value in state["buffers"].items():
+            assert torch.equal(result["state"]["buffers"][name], value), name
+
+
 # -- refusals: one line, exit 2 ----------------------------------------------------------------
 GROUPS = ["--nproc-per-node", "4", "--ft-replicas", "2", "--max-restarts", "1"]
 
@@ -176,8 +254,12 @@ GROUPS = ["--nproc-per-node", "4", "--ft-replicas", "2", "--max-restarts", "1"]
     (["--nproc-per-node", "4", "--ft-replicas", "2", "--ft-rejoin-nproc", "1",
       "--batch-size", "12"], "parallel.ft_rejoin_nproc", "--max-restarts is 0"),
     ([*GROUPS, "--ft-rejoin-nproc", "-1"], "parallel.ft_rejoin_nproc", "is negative"),
-    ([*GROUPS, "--strategy", "zero2", "--ft-rejoin-nproc", "1", "--batch-size", "12"],
-     "parallel.ft_rejoin_nproc", "under ZeRO stage 2 holds other shard bounds"),
+    ([*GROUPS, "--strategy", "zero2", "--ft-rejoin-nproc", "1", "--batch-size", "12",
+      "--offload", "cpu"], "parallel.ft_rejoin_nproc", "under ZeRO stage 2 with --offload cpu"),
+    ([*GROUPS, "--strategy", "zero3", "--ft-rejoin-nproc", "1", "--batch-size", "12",
+      "--offload", "disk", "--offload-params"], "parallel.ft_rejoin_nproc",
+     "for shards in memory only; fix: use --ft-rejoin-nproc 2 (a group's own size), or drop "
+     "it; or drop --offload"),
     ([*GROUPS, "--tp", "2", "--ft-rejoin-nproc", "1", "--batch-size", "12"],
      "parallel.ft_rejoin_nproc", "under --tp 2 holds other pieces of the model"),
     ([*GROUPS, "--pp", "2", "--num-microbatches", "2", "--ft-rejoin-nproc", "1",
@@ -215,14 +297,20 @@ def _flags() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("nproc, size, rejoin", [(4, 2, 1), (2, 1, 2)],
-                         ids=["2x2-back-with-1", "2x1-back-with-2"])
-def test_a_group_rejoins_at_another_size(tmp_path, nproc, size, rejoin):
+@pytest.mark.parametrize("strategy, nproc, size, rejoin", [
+    ("ddp", 4, 2, 1), ("ddp", 2, 1, 2), ("zero2", 4, 2, 1), ("zero3", 2, 1, 2)],
+    ids=["2x2-back-with-1", "2x1-back-with-2", "zero2-2x2-back-with-1", "zero3-2x1-back-with-2"])
+def test_a_group_rejoins_at_another_size(tmp_path, strategy, nproc, size, rejoin):
     """Module docstring: 2 DDP groups of 2 ranks, group 1 back with one rank; and the other
     way, 2 one-rank groups, group 1 back with two ranks (its second rank gets the state from
-    its leader's broadcast, and takes the weighted sum's broadcast every step)."""
+    its leader's broadcast, and takes the weighted sum's broadcast every step). The same with
+    ZeRO-2 (2x2, back with 1) and ZeRO-3 (2x1, back with 2) inside the groups: the leaders
+    sum each group's whole gradient (its shards gathered in the group, parallel/data/
+    zero_resize.py) and the joiner loads its own shards of the source group's layout-free
+    state; the same tolerance, since the sums are the same up to their order."""
     from safetensors.torch import load_file
     flags = _flags()
+    flags[flags.index("--strategy") + 1] = strategy
     env = {**os.environ, "SHARDWISE_FT_TEST_KILL": f"1:{KILL_STEP}:{AWAY}",
            "SHARDWISE_FT_TEST_PACE": str(PACE), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "shardwise.cli", "train", *flags, "--nproc-per-node",

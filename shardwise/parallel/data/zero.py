@@ -79,7 +79,10 @@ HSDP's ``self.replicas`` group): phase 1 ends by averaging this rank's gradient 
 same in-group rank of every live group (once a step; 4K/N bytes through one allreduce), and a
 failed vote there raises Redo before anything else read them: :meth:`zero_grad` drops the step's
 gradients and the step is taken again. The join's state copy is :meth:`state_dict`, shard by
-shard (in-group rank r to in-group rank r).
+shard (in-group rank r to in-group rank r). Groups of different sizes (``--ft-rejoin-nproc``):
+the hook has the strategy gather its gradient shards into whole chunks and scatter the sum
+back (:meth:`gather_grad_shards`, :meth:`scatter_grad_shards`; clipping then takes the
+whole gradient's squares), and a joiner loads :meth:`layout_free_state` (zero_resize.py).
 """
 from __future__ import annotations
 
@@ -99,7 +102,7 @@ from shardwise.memory.loss_scale import has_nonfinite
 from shardwise.memory.offload import OffloadStore, prefill_adam_state
 from shardwise.models.init import swap_in
 from shardwise.parallel.base import Strategy, grad_sq, optimizer_state_bytes, tensor_bytes
-from shardwise.parallel.data import zero_state
+from shardwise.parallel.data import zero_resize, zero_state
 from shardwise.parallel.data.checks import UnusedParameters, unused_fix
 from shardwise.parallel.data.zero_groups import ParamGroups
 from shardwise.parallel.data.zero_memory import ZeroMemory
@@ -178,6 +181,7 @@ class ZeroStrategy(Strategy):
         self._gathers: list[tuple] = []                # stages 1-2: (work, backend) after the step
         self._next = 0                                 # stages 1-2: next bucket to launch
         self._ft_reduced = False                       # --ft-replicas: shards averaged
+        self._whole_sq = None       # --ft-rejoin-nproc: the summed whole gradient's squares
 
     # -- set-up: chunks and the optimizer -------------------------------------------------
     def wrap(self, model, optimizer_factory) -> None:
@@ -485,7 +489,7 @@ class ZeroStrategy(Strategy):
         for c in self.chunks:
             c.grad_valid = False
         self._grad_coef = None
-        self._ft_reduced = False
+        self._ft_reduced, self._whole_sq = False, None
         self._zero_grads()
         self._sync_buffers()
         self._finish_gathers()                     # 3
@@ -508,6 +512,22 @@ class ZeroStrategy(Strategy):
             self.ft.reduce([c.grad_shard for c in self.chunks])   # in-group rank r's shards
             self._ft_reduced = True
 
+    # --ft-rejoin-nproc: replica groups of different sizes (zero_resize.py)
+    def gather_grad_shards(self) -> list[torch.Tensor]:
+        """Each chunk's whole reduced gradient, unpadded (an all-gather over the group)."""
+        return zero_resize.gather_grads(self)
+
+    def scatter_grad_shards(self, wholes: list[torch.Tensor]) -> None:
+        """This rank's slices of the summed ``wholes`` into its gradient shards; clipping
+        then uses the whole gradient's squares (the same norm in groups of any size)."""
+        self._whole_sq = zero_resize.scatter_grads(self, wholes)
+
+    def layout_free_state(self) -> dict:
+        return zero_resize.layout_free_state(self)
+
+    def load_layout_free_state(self, state: dict) -> None:
+        zero_resize.load_layout_free_state(self, state)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop this step's gradients before the optimizer saw them (``--ft-replicas``' Redo:
         the same step is then taken again): reductions waited, staging buffers and gradient
@@ -523,6 +543,7 @@ class ZeroStrategy(Strategy):
             c.extra.pop("views", None)
             c.grad_valid = False
         self._grad_coef, self._ft_reduced, self._next = None, False, 0
+        self._whole_sq = None
         self._zero_grads()
 
     def _check_all_ready(self) -> None:
@@ -557,9 +578,13 @@ class ZeroStrategy(Strategy):
     # between phases 1 and 2: clipping (base.Strategy.clip_grad_norm_) and the fp16 verdict
     def _local_grad_sq(self) -> torch.Tensor:
         """Squares of this rank's gradient shards (disjoint over the dp group; padding is 0);
-        offloaded shards are read one at a time and dropped again."""
+        offloaded shards are read one at a time and dropped again. Replica groups of
+        different sizes: the whole gradient's squares (scatter_grad_shards), already global."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for c in self.chunks:
+        chunks = self.chunks
+        if self._whole_sq is not None:        # every shard's entries in it already
+            sq, chunks = sq + self._whole_sq, []
+        for c in chunks:
             if self.plan is None:
                 sq += grad_sq([c.grad_shard], self.device)
             else:   # tensor parallel: tp-replicated entries are counted on tp rank 0 only
@@ -583,6 +608,8 @@ class ZeroStrategy(Strategy):
         return c.extra["counted"]
 
     def _sum_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:
+        if self._whole_sq is not None:     # the whole gradient's: nothing to sum over dp
+            return sq
         self.comm.all_reduce(sq, self.group, op="sum", name="zero_clip")
         return sq if self.plan is None else self.plan.sum_sq(sq)
 
