@@ -298,19 +298,23 @@ def _flags() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy, nproc, size, rejoin", [
-    ("ddp", 4, 2, 1), ("ddp", 2, 1, 2), ("zero2", 4, 2, 1), ("zero3", 2, 1, 2)],
-    ids=["2x2-back-with-1", "2x1-back-with-2", "zero2-2x2-back-with-1", "zero3-2x1-back-with-2"])
-def test_a_group_rejoins_at_another_size(tmp_path, strategy, nproc, size, rejoin):
+@pytest.mark.parametrize("strategy, nproc, size, rejoin, extra", [
+    ("ddp", 4, 2, 1, []), ("ddp", 2, 1, 2, []), ("zero2", 4, 2, 1, []), ("zero3", 2, 1, 2, []),
+    ("zero1", 4, 2, 1, ["--grad-clip", "0.05"])],
+    ids=["2x2-back-with-1", "2x1-back-with-2", "zero2-2x2-back-with-1", "zero3-2x1-back-with-2",
+         "zero1-clipped-2x2-back-with-1"])
+def test_a_group_rejoins_at_another_size(tmp_path, strategy, nproc, size, rejoin, extra):
     """Module docstring: 2 DDP groups of 2 ranks, group 1 back with one rank; and the other
     way, 2 one-rank groups, group 1 back with two ranks (its second rank gets the state from
     its leader's broadcast, and takes the weighted sum's broadcast every step). The same with
     ZeRO-2 (2x2, back with 1) and ZeRO-3 (2x1, back with 2) inside the groups: the leaders
     sum each group's whole gradient (its shards gathered in the group, parallel/data/
     zero_resize.py) and the joiner loads its own shards of the source group's layout-free
-    state; the same tolerance, since the sums are the same up to their order."""
+    state; the same tolerance, since the sums are the same up to their order. ZeRO-1 with
+    ``--grad-clip`` small enough to clip every step: every group clips by the whole gradient's
+    norm (zero_resize.scatter_grads' squares), as one process does."""
     from safetensors.torch import load_file
-    flags = _flags()
+    flags = _flags() + extra
     flags[flags.index("--strategy") + 1] = strategy
     env = {**os.environ, "SHARDWISE_FT_TEST_KILL": f"1:{KILL_STEP}:{AWAY}",
            "SHARDWISE_FT_TEST_PACE": str(PACE), "OMP_NUM_THREADS": "1"}

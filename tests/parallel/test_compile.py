@@ -70,7 +70,6 @@ def _single_twice(rank, n, configs, cache):
     return eager, compiled, again, first, _fx_graphs(cache)
 
 
-@pytest.mark.slow            # 23 s; the default suite compiles ZeRO-3 and a pipeline below
 def test_single_with_compile_equals_eager_and_reuses_the_cache(cache):
     configs = [_cfg("single", False), _cfg("single", True)]
     eager, compiled, again, first, second = run_world(_single_twice, 1, configs, cache,
@@ -84,6 +83,7 @@ def test_single_with_compile_equals_eager_and_reuses_the_cache(cache):
     assert again[2] is not None and again[2] >= 0
 
 
+@pytest.mark.slow   # 25-60 s (Inductor's first compile lands on whichever test runs first)
 def test_zero3_with_checkpointing_and_a_pipeline_compile_in_a_world_of_two(cache):
     """ZeRO-3 gathers and frees each block around its compiled forward (its hooks stay eager),
     with activation checkpointing compiled inside; a GPipe pipeline of 2 compiles its stage's
