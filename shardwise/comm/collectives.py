@@ -29,8 +29,10 @@ runnable thread still gets it. The timeout still holds: a poll that outlives it 
 blocking wait would. The others always block, because their gloo Works report completion only
 once ``wait()`` is called (send / recv, and reduce_scatter, whose poll never ends: tested), or
 have no asynchronous form (all_gather_object). Polling costs a core, so runtime.py turns it on
-only where each rank has cores of its own (``train.comm_wait``). Polling is for gloo only: an
-NCCL collective is never polled (below).
+only where each rank has cores of its own (``train.comm_wait``). ``Work(pause=s)`` sleeps s
+between polls instead, which costs no core: comm/replicas.py waits so, to let a signal's Python
+handler run during a wait (a blocking wait holds it until the wait ends). Polling is for gloo
+only: an NCCL collective is never polled (below).
 
 Waiting on NCCL. torch's ``WorkNCCL.wait(timeout)`` spins the host until the GPU has finished,
 which would serialise the host with every collective it meant to overlap; ``wait()`` without a
@@ -172,13 +174,14 @@ class Work:
     """A launched collective; ``wait()`` blocks until it is done and meters the blocked time."""
 
     def __init__(self, work, meter: CommMeter | None, op: str, after=None, timeout=None,
-                 spin: bool = False, done=None):
+                 spin: bool = False, done=None, pause: float = 0.0):
         self._work, self._meter, self._op, self._after = work, meter, op, after
         self._done = done         # called once the collective completed (the flight recorder)
         self._timeout = timeout   # timedelta: an async gloo wait gives up after it (gloo's
                                   # process-group timeout does not bound an async wait); None
                                   # for NCCL, whose timed wait spins the host (module docstring)
         self._spin = spin         # poll is_completed() instead of sleeping (module docstring)
+        self._pause = pause       # seconds slept between polls; 0: sched_yield (core stays awake)
 
     def _poll(self) -> None:
         """Poll until the collective is done or the timeout has passed (then the wait below
@@ -189,7 +192,10 @@ class Work:
             if time.monotonic() > deadline:
                 self._timeout = datetime.timedelta(milliseconds=1)
                 return
-            os.sched_yield()
+            if self._pause:
+                time.sleep(self._pause)
+            else:
+                os.sched_yield()
 
     def wait(self) -> None:
         if self._work is not None:
