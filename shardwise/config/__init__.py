@@ -158,10 +158,10 @@ class ParallelConfig:
     ft_rejoin_nproc: int = _f(0, "replica groups (--ft-replicas): a group that loses a rank is "
                               "restarted by shardwise's launcher (not torchrun's agent) with "
                               "this many ranks, up to --max-restarts times per group, and "
-                              "rejoins at that size with a live group's state; DDP or ZeRO "
-                              "(without offload) inside the groups when the size differs from "
-                              "world / R; 0 = off (torchrun "
-                              "restarts a group at its own size)")
+                              "rejoins at that size with a live group's state: it keeps its tp, "
+                              "pp and cp and changes its dp size (N a multiple of tp x pp x "
+                              "cp; any DDP / ZeRO / HSDP / offload layout inside); 0 = off "
+                              "(torchrun restarts a group at its own size)")
 
 
 @dataclass(frozen=True)

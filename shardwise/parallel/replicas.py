@@ -21,22 +21,24 @@ groups and their sizes: no batch is skipped or repeated, and the losses equal an
 run's up to the order of summation.
 
 Groups of different sizes (``--ft-rejoin-nproc N``: the launcher restarts a group that lost a
-rank with N ranks; DDP or ZeRO stages 1-3, tp = pp = cp = 1, no --dp-shard, ZeRO without
-offload, refused otherwise before launch). Lane r no longer pairs like with like, but under
-DDP every rank of a group holds the group's whole mean gradient after its own allreduce
-(under ZeRO after an all-gather of its gradient shards inside the group first, into each
-chunk's whole flat, whose unpadded part is laid out alike in groups of any size:
-parallel/data/zero_resize.py), so only the *leaders* (in-group rank 0 of each member) form
-the lane: each sums [its group's mean gradient x the group's dp size | the buffers as below |
-its group's loss sum (one tiny allreduce over the group first)] over the leaders, broadcasts
-the result and its verdict over its own group, and every rank divides by D: the gradient of
-the whole batch's mean loss, the weighted sum of the groups' means (weight: their share of the
-rows); ZeRO's ranks then copy their slices back into their gradient shards and clip by the
-whole gradient's norm. A joining group's leader receives the source leader's whole DDP state
-(model, optimizer, RNG, loss scaler; under ZeRO the layout-free state that every rank of the
-source group built together: the whole model and optimizer state by name) and broadcasts it
-over its group before anyone loads it (ZeRO: each rank its own shards of it), so the
-parameters are bit-identical across the groups afterwards.
+rank with N ranks, which keeps its tp, pp and cp and changes its dp size only: any DDP, ZeRO,
+HSDP or offload layout inside). Lane r no longer pairs like with like, but each group holds
+the same *pieces* of the model (a stage's tp slice, piece index pp_rank x tp + tp_rank), and
+under DDP every rank of a piece holds its group's whole mean gradient of it after its own
+allreduce over dp x cp (under ZeRO after an all-gather of its gradient shards over the shard
+group first, into each chunk's whole flat, whose unpadded part is laid out alike in groups of
+any size: parallel/data/zero_resize.py), so only the piece's *leaders* (its rank 0 over dp x
+cp in each member) form the piece's lane: each sums [its group's mean gradient x the group's
+dp size | the buffers as below | its group's loss sum (one tiny allreduce over dp x cp first,
+divided by cp)] over the leaders, broadcasts the result and its verdict over its dp x cp
+peers, and every rank divides by D: the gradient of the whole batch's mean loss, the weighted
+sum of the groups' means (weight: their share of the rows); ZeRO's ranks then copy their
+slices back into their gradient shards and clip by the whole gradient's norm. A joining
+piece's leader receives the source piece leader's DDP state (model, optimizer, RNG, loss
+scaler, of the piece; under ZeRO the layout-free state of the piece that its dp ranks in the
+source group built together: the piece and its optimizer state by name, whole over dp) and
+broadcasts it over its dp x cp peers before anyone loads it (ZeRO: each rank its own shards
+of it), so the parameters are bit-identical across the groups afterwards.
 
 Collectives, per step: the group's own gradient reduction (DDP's allreduce over its dp group;
 ZeRO's reduce-scatter into this rank's 1/g gradient shards), then, when two or more groups are
@@ -89,9 +91,10 @@ cross-group buffer; P this rank's part: the model / (tp x pp) roughly) plus the 
 state while a join is served. Traffic per step: 2(L-1)/L x 4P bytes per rank over the lane
 under DDP, 2(L-1)/L x 4P/g under ZeRO (each lane carries one shard), and the state (model +
 optimizer, about 12P bytes with Adam; 12P/g per lane under ZeRO) once to each joining group.
-Groups of different sizes: 2(L-1)/L x 4P over the leaders' lane for each leader only, then
-a broadcast of 4P over each group (the root sends 4P, every other rank receives it), and the
-state (12P with Adam) once to the joining leader, then broadcast over its group; under ZeRO
+Groups of different sizes: 2(L-1)/L x 4P over each piece's leaders' lane for each leader only
+(P: the piece), then a broadcast of 4P over its dp x cp peers (the root sends 4P, every other
+rank receives it), and the piece's state (12P with Adam) once to the joining leader, then
+broadcast over its dp x cp peers; under ZeRO
 also the all-gather of the gradient shards ((g-1)/g of the gradient per rank and step), and
 4P of whole gradient plus the 4P flat on every rank instead of 4P/g.
 
@@ -141,9 +144,21 @@ class LeftOut(CollectiveError):
 class ReplicaGroups:
     """This rank's part in the replica groups (module docstring)."""
 
-    def __init__(self, strategy, quorum: Quorum, group: int, timeout: float, run_dir: str):
+    def __init__(self, strategy, quorum: Quorum, group: int, timeout: float, run_dir: str,
+                 resizable: bool = False):
         self.strategy, self.quorum, self.group, self.timeout = strategy, quorum, group, timeout
         self.lane, self.ranks = strategy.mesh.rank, quorum.ranks
+        # the gradient-sync component (a pipeline's driver holds one: parallel/pipeline/)
+        self.component = getattr(strategy, "component", strategy)
+        # groups of different sizes (--ft-rejoin-nproc): the leader of this rank's piece of
+        # the model (its pp stage and tp slice) is its rank 0 over dp x cp, and the leaders
+        # of one piece form its lane (the same piece in every group, whatever the dp sizes)
+        mesh = strategy.mesh
+        self.sync_group = mesh.grad_group
+        self.piece = mesh.pp_rank * mesh.tp + mesh.tp_rank
+        # DDP sends its used flags in every group when sizes may differ (a one-rank group has
+        # them on by itself), so the flats line up
+        self.resizable = resizable
         self.run_dir = run_dir
         self.n, self.synced, self.fresh = 0, False, True
         self.link, self.link_id = None, None
@@ -249,17 +264,19 @@ class ReplicaGroups:
         receivers = [m for m in d.members if m not in d.synced and m != d.source]
         attempted = d.link != self.link_id or (receivers and self.group in (d.source, *receivers))
         # groups of one size: lane r pairs in-group rank r of each; else only the leaders'
-        # lane (rank 0 of each: DDP's every rank holds the whole state, ZeRO's the
-        # layout-free state its group built) is built
-        on_lane = d.even or self.lane == 0
+        # lanes (rank 0 over dp x cp of each piece: DDP's every rank of the piece holds its
+        # whole state, ZeRO's the layout-free state of the piece its group built) are built
+        leads = self.sync_group.rank == 0
+        on_lane = d.even or leads
+        lane = self.lane if d.even else self.piece
         # ZeRO at another size: the source group's ranks build the layout-free state together
-        whole = not d.even and hasattr(self.strategy, "layout_free_state")
+        whole = not d.even and hasattr(self.component, "layout_free_state")
         ok, state = True, None
         try:
             if d.link != self.link_id:
                 self.link, self.link_id = None, None
                 if len(d.members) > 1 and on_lane:
-                    self.link = ReplicaLink(self.quorum.store, d.link, self.lane,
+                    self.link = ReplicaLink(self.quorum.store, d.link, lane,
                                             d.members.index(self.group), len(d.members),
                                             self.timeout, self.strategy.comm.meter)
                 self.link_id = d.link
@@ -276,8 +293,8 @@ class ReplicaGroups:
         if not ok:
             self.link, self.link_id, self.fresh = None, None, True
             return False
-        if self.group in receivers and not d.even:    # the leader's, to the group's ranks
-            state = broadcast_state(self.strategy.comm, self.strategy.mesh.world, state)
+        if self.group in receivers and not d.even:    # the leader's, to its piece's ranks
+            state = broadcast_state(self.strategy.comm, self.sync_group, state)
         if state is not None:
             self._load(state)       # ZeRO: gathers the whole parameters inside this group
         return True
@@ -294,13 +311,13 @@ class ReplicaGroups:
         layout-free state, built by every rank of this group, for a group of another size),
         the RNG and the fp16 loss scaler (its scale and clean-step count: every group scales
         alike)."""
-        strategy = self.strategy.layout_free_state() if whole else self.strategy.state_dict()
+        strategy = self.component.layout_free_state() if whole else self.strategy.state_dict()
         return {"strategy": strategy, "whole": whole, "rng": torch.get_rng_state(),
                 "scaler": self.strategy.scaler.state_dict()}
 
     def _load(self, state: dict) -> None:
         if state.get("whole"):      # ZeRO from a group of another size: this rank's shards
-            self.strategy.load_layout_free_state(state["strategy"])
+            self.component.load_layout_free_state(state["strategy"])
         else:
             self.strategy.load_state_dict(state["strategy"])
         self.strategy.scaler.load_state_dict(state["scaler"])
@@ -323,22 +340,22 @@ class ReplicaGroups:
             self.loss = local
             return
         first = self.group == min(d.members)
-        sharded = hasattr(self.strategy, "gather_grad_shards")
+        sharded = hasattr(self.component, "gather_grad_shards")
         if d.even:
             ok = self.sums.launch_even(self.link, buffers, local, first)
             divisor = len(d.members)
         else:
             sizes = self._dp_sizes(d)
             if sharded:     # ZeRO: each chunk's whole gradient, the same layout in any group
-                buffers = self.strategy.gather_grad_shards()
+                buffers = self.component.gather_grad_shards()
             ok = self.sums.launch_weighted(self.link, buffers, local, first,
-                                           sizes[d.members.index(self.group)])
+                                           sizes[d.members.index(self.group)], self.sync_group)
             divisor = sum(sizes)
         if not self.quorum.vote(d, ok, self.timeout):
             raise Redo(f"round {d.round}")
         self.loss = self.sums.finish(buffers, divisor, weighted=not d.even)
         if sharded and not d.even:      # this rank's slices back into its gradient shards
-            self.strategy.scatter_grad_shards(buffers)
+            self.component.scatter_grad_shards(buffers)
 
     def _dp_sizes(self, d: Decision) -> tuple[int, ...]:
         """Each member's dp size (its rank count over tp x pp x cp, the same in every group)."""
@@ -392,4 +409,5 @@ def attach(strategy, cfg, run_dir: str) -> ReplicaGroups | None:
     world = strategy.mesh.world_size
     quorum = Quorum(os.environ[ENV_STORE], group, strategy.mesh.rank, world,
                     cfg.parallel.ft_replicas, cfg.train.collective_timeout)
-    return ReplicaGroups(strategy, quorum, group, cfg.train.collective_timeout, run_dir)
+    return ReplicaGroups(strategy, quorum, group, cfg.train.collective_timeout, run_dir,
+                         resizable=bool(cfg.parallel.ft_rejoin_nproc))

@@ -5,10 +5,11 @@ The launcher (launch/replicas.py) splits a data-parallel world of ``dp`` ranks i
 ``dp / R`` ranks, each a torchrun of its own; inside a group's ranks the config is the group's
 (:func:`group_config`: dp and the process count divided by R), so the same checks run before
 launch (on the whole world) and in every rank (on its group), and agree. A group the launcher
-restarted at ``--ft-rejoin-nproc N`` ranks (:func:`resized`) has N processes and dp = N (only
-DDP or ZeRO 1-3, tp = pp = cp = 1, no --dp-shard, ZeRO without offload, rejoins at another
-size): its ranks check their own group's layout, the
-launcher having checked the whole world with every size a group can have (:func:`check`).
+restarted at ``--ft-rejoin-nproc N`` ranks (:func:`resized`) has N processes and keeps its
+pieces of the model: the same tp, pp and cp, and dp = N / (tp x pp x cp), so only its
+data-parallel size changes (any layout: DDP, ZeRO 1-3, HSDP, offload); its ranks check their own
+group's layout, the launcher having checked the whole world with every size a group can have
+(:func:`check`).
 
 Data rule (:func:`share`): the global batch of a step is cut into equal slices, one per dp rank
 of the live groups, the groups in id order: the group whose members before it hold D dp ranks
@@ -58,9 +59,18 @@ def resized(cfg: Config) -> bool:
 
 
 def _resized_config(cfg: Config, n: int) -> Config:
-    """A group of ``n`` processes (DDP: dp = n when dp was given, else left to the world)."""
+    """A group of ``n`` processes: the same tp, pp and cp, dp = n / (tp x pp x cp) when dp
+    was given (else left to the world, which gives the same)."""
     p = cfg.parallel
-    return replace(cfg, parallel=replace(p, dp=n if p.dp else 0, nproc_per_node=n))
+    dp = n // pieces(cfg)
+    return replace(cfg, parallel=replace(p, dp=dp if p.dp else 0, nproc_per_node=n))
+
+
+def pieces(cfg: Config) -> int:
+    """The ranks one data-parallel rank spans (tp x pp x cp): the model's pieces, which a
+    group restarted at another size keeps."""
+    p = cfg.parallel
+    return p.tp * p.pp * p.cp
 
 
 def group_config(cfg: Config) -> Config:
@@ -212,33 +222,26 @@ def _check_rejoin_flag(cfg: Config) -> None:
 
 def _check_rejoin_size(cfg: Config, ranks: int, group: int) -> int:
     """A rejoin at another size than the groups' ``ranks`` processes (``group`` dp ranks):
-    only DDP or ZeRO stages 1-3 over the group's dp ranks, without tp, pp, cp, --dp-shard or
-    (ZeRO) offload: the leaders sum whole gradients (ZeRO's shards gathered first, whose flat
-    layout differs between sizes only in its end padding) and a joiner loads whole state (the
-    lanes of the other layouts pair rank r with rank r: docs/checkpoints.md). Returns the dp
-    size a restarted group has (0: no --ft-rejoin-nproc)."""
+    the restarted group keeps its tp x pp x cp pieces of the model and changes its dp size
+    only (DDP, or ZeRO stages 1-3, HSDP and offload included): for each piece the dp
+    leaders sum whole gradients (ZeRO's shards gathered first, whose flat layout differs
+    between sizes only in its end padding) and a joiner loads the piece's state whole over dp
+    (docs/checkpoints.md). Returns the dp size a restarted group has (0: no
+    --ft-rejoin-nproc)."""
     n = cfg.parallel.ft_rejoin_nproc
     if n == 0 or n == ranks:
         return group if n else 0
     p = cfg.parallel
     keep = f"use --ft-rejoin-nproc {ranks} (a group's own size), or drop it"
-    for flag, value in (("--tp", p.tp), ("--pp", p.pp), ("--cp", p.cp)):
-        if value > 1:
-            _rejoin_refuse(n, f"a group of another size than {ranks} rank(s) under {flag} "
-                           f"{value} holds other pieces of the model, and the groups exchange "
-                           "them rank r with rank r", f"{keep}; or drop {flag}")
-    if p.dp_shard:
-        _rejoin_refuse(n, f"a group of another size than {ranks} rank(s) under --dp-shard "
-                       f"{p.dp_shard} holds other HSDP shards, and the groups exchange them "
-                       "rank r with rank r", f"{keep}; or drop --dp-shard (DDP or ZeRO over "
-                       "each whole group)")
-    stage, m = zero_stage(cfg), cfg.memory
-    if stage > 0 and (m.offload != "none" or m.offload_params):
-        _rejoin_refuse(n, f"a group of another size than {ranks} rank(s) under ZeRO stage "
-                       f"{stage} with --offload {m.offload}: the whole-gradient sum and the "
-                       "layout-free state of a rejoin at another size are built for shards "
-                       "in memory only", f"{keep}; or drop --offload")
-    return n
+    per = pieces(cfg)
+    if n % per:
+        axes = " x ".join(f"{a} {v}" for a, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp))
+                          if v > 1)
+        _rejoin_refuse(n, f"a restarted group keeps its pieces of the model ({axes} = {per} "
+                       f"ranks per data-parallel rank) and changes only its dp size, and {n} "
+                       f"is not a multiple of {per}", f"give a multiple of {per}, or "
+                       f"{ranks} (a group's own size)")
+    return n // per
 
 
 def _not_built(cfg: Config, r: int) -> None:

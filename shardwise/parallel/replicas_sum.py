@@ -79,20 +79,25 @@ class LaneSum:
         return link.all_reduce_sum(self.flat)
 
     def launch_weighted(self, link, buffers: list[torch.Tensor], loss: torch.Tensor,
-                        first: bool, dp_size: int) -> bool:
-        """The leaders' weighted sum, then the group's broadcast of it (module docstring);
-        ``link`` is None except on the leader. False (on every rank of the group) when the
-        leader's lane lost a peer."""
-        world, comm = self.strategy.mesh.world, self.strategy.comm
-        total = loss.detach().float().reshape(1).clone()     # the group's sum of rank means
-        comm.all_reduce(total, world, name="ft_loss")
+                        first: bool, dp_size: int, group) -> bool:
+        """The leaders' weighted sum, then its broadcast over ``group`` (this rank's dp x cp
+        peers, which hold the same piece of the model: module docstring); ``link`` is None
+        except on the leader. False (on every rank of the group) when the leader's lane lost
+        a peer."""
+        comm, cp = self.strategy.comm, self.strategy.mesh.cp
+        # the group's sum of its dp ranks' means (under --cp each dp rank's mean is the mean
+        # of its cp ranks' means over equal parts of the rows' sequences)
+        total = loss.detach().float().reshape(1).clone()
+        comm.all_reduce(total, group, name="ft_loss")
+        if cp > 1:
+            total.div_(cp)
         self._fill(buffers, first, extra=2, scale=float(dp_size))
         self.flat[-2] = total[0]
         self.flat[-1] = 0.0
         if link is not None:
             ok = link.all_reduce_sum(self.flat)
             self.flat[-1] = 1.0 if ok else 0.0
-        comm.broadcast(self.flat, 0, world, name="ft_broadcast")   # the leader's sums, verdict
+        comm.broadcast(self.flat, 0, group, name="ft_broadcast")   # the leader's sums, verdict
         return bool(self.flat[-1] > 0)
 
     def finish(self, buffers: list[torch.Tensor], divisor: int, weighted: bool) -> torch.Tensor:

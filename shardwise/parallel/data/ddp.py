@@ -189,14 +189,16 @@ class DDPStrategy(Strategy):
                     bucket.buffer.copy_(bucket.extra["low"])
                     bucket.buffer.div_(n)
         used = None
-        if self.find_unused:             # which parameters got a gradient on any rank
+        # which parameters got a gradient on any rank (replica groups that may differ in size
+        # all send the flags: a one-rank group has find_unused on by itself)
+        if self.find_unused or getattr(self.ft, "resizable", False):
             used = torch.tensor(self.buckets.used, dtype=torch.float32, device=self.device)
             self.comm.all_reduce(used, self.group, op="max", name="ddp_unused")
         if self.ft is not None:          # --ft-replicas: then over the live replica groups,
             # the flags too: a parameter any live group used is stepped by every group
             self.ft.reduce([bucket.buffer for bucket in self.buckets.buckets]
                            + ([used] if used is not None else []))
-        if used is not None:
+        if used is not None and self.find_unused:
             self._used = (used > 0).tolist()
         self._synced = True
 

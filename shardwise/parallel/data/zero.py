@@ -608,9 +608,8 @@ class ZeroStrategy(Strategy):
         return c.extra["counted"]
 
     def _sum_grad_sq(self, sq: torch.Tensor) -> torch.Tensor:
-        if self._whole_sq is not None:     # the whole gradient's: nothing to sum over dp
-            return sq
-        self.comm.all_reduce(sq, self.group, op="sum", name="zero_clip")
+        if self._whole_sq is None:         # (the whole gradient's: nothing to sum over dp)
+            self.comm.all_reduce(sq, self.group, op="sum", name="zero_clip")
         return sq if self.plan is None else self.plan.sum_sq(sq)
 
     def _scale_grads(self, coef: torch.Tensor) -> None:

@@ -1,7 +1,10 @@
 """ZeRO across replica groups of different sizes (``--ft-rejoin-nproc N``, parallel/replicas.py):
 the reduced gradient shards made whole for the leaders' weighted sum, and the layout-free state
 a joining group of another size loads its own shards from. Functions of the strategy (stages
-1-3, no tensor parallelism, pipeline, HSDP or offload: replicas_checks.py refuses those).
+1-3, with tensor parallelism, a pipeline or context parallelism: the restarted group keeps
+those and changes its dp size only; HSDP: the shard group's layout, which a group of another
+dp size has alike when --dp-shard fixes it; offloaded shards are read and written through the
+store, disk pages dropped again after each).
 
 Why it works: a chunk's flat layout (comm/flat.FlatLayout.of) puts each parameter at the same
 offset whatever the group size g; g only changes the end padding (numel rounded up to a
@@ -13,9 +16,12 @@ sum, or load, it and cut its own shards from it.
 Partition: :func:`gather_grads` gives every rank of the group each chunk's whole reduced
 gradient (its unpadded prefix, the group's mean), :func:`scatter_grads` copies this rank's
 slice of the summed flats back into its ``grad_shard`` (the padding untouched, 0) and keeps the
-squares of the whole gradient for clipping, so every rank of every group clips by the same
-norm to the bit. :func:`layout_free_state` is the whole model by name (fp32, from the masters),
-the optimizer state by name (zero_state.canonical_optimizer_state) and the buffers;
+squares of the whole gradient for clipping (of this rank's piece; a tp-replicated entry counted
+on tp rank 0 only, as the shard path counts it, then summed over tp and pp as ever), so every
+rank of every group clips by the same norm to the bit. :func:`layout_free_state` is this rank's piece of the model by name (fp32, from
+the masters: under tensor parallelism its tp slice, under a pipeline its stage, whole over the
+shard group only), its optimizer state by name (zero_state.canonical_optimizer_state) and the
+buffers, which the same piece of a group of another size loads (the same tp and pp);
 :func:`load_layout_free_state` sets this rank's masters, working shards and optimizer state
 from it and gathers the whole parameters again (stages 1-2).
 
@@ -43,7 +49,10 @@ def gather_grads(zero) -> list[torch.Tensor]:
     out = []
     for c in zero.chunks:
         full = torch.empty(c.layout.padded, dtype=c.grad_shard.dtype, device=zero.device)
-        zero._all_gather(full, c.grad_shard, async_op=False, name="ft_grad_ag")
+        zero._all_gather(full, c.grad_shard.to(zero.device), async_op=False,
+                         name="ft_grad_ag")
+        if zero.grads_offloaded:            # disk: the shard's pages read, dropped again
+            zero.store.release([c.grad_shard], written=False)
         out.append(full[:c.layout.numel])
     return out
 
@@ -51,21 +60,31 @@ def gather_grads(zero) -> list[torch.Tensor]:
 @torch.no_grad()
 def scatter_grads(zero, wholes: list[torch.Tensor]) -> torch.Tensor:
     """This rank's slice of each summed whole gradient into its ``grad_shard``; returns the
-    squares of the whole gradient (fp32 scalar, the same on every rank of every group)."""
+    squares of the whole gradient of this rank's piece (fp32 scalar, the same on every rank of
+    this piece in every group; under tensor parallelism only the entries tp rank 0 counts of a
+    replicated parameter, as ``_local_grad_sq`` counts them)."""
     rank = zero.group.rank
     for c, whole in zip(zero.chunks, wholes):
         lo, hi = c.layout.shard_range(rank)
         hi = min(hi, c.layout.numel)            # the padding stays as reduced (zeros)
         if lo < hi:
             c.grad_shard[:hi - lo].copy_(whole[lo:hi])
-    return grad_sq(wholes, zero.device)
+        if zero.grads_offloaded:            # disk: written back, its pages dropped
+            zero.store.release([c.grad_shard])
+    if zero.plan is None:
+        return grad_sq(wholes, zero.device)
+    names = {p: n for n, p in zero.model.named_parameters()}
+    return grad_sq([whole[offset:offset + p.numel()] for c, whole in zip(zero.chunks, wholes)
+                    for p, offset in zip(c.params, c.layout.offsets)
+                    if zero.plan.counts(names[p])], zero.device)
 
 
 def layout_free_state(zero) -> dict:
-    """The whole training state by name, for a group of any size (a collective over the
-    group: every rank calls it; the result is whole on each)."""
-    return {"model": zero_state.full_state_dict(zero),
-            "optimizer": zero_state.canonical_optimizer_state(zero),
+    """This rank's piece of the training state by name (its tp slice and stage), whole over
+    the shard group, for a group of any dp size (a collective over the shard group: every
+    rank calls it; the result is whole on each)."""
+    return {"model": zero_state.full_state_dict(zero, pieces=True),
+            "optimizer": zero_state.canonical_optimizer_state(zero, pieces=True),
             "buffers": {n: b.detach().cpu().clone() for n, b in zero.model.named_buffers()}}
 
 
@@ -83,7 +102,8 @@ def load_layout_free_state(zero, state: dict) -> None:
         c.master.copy_(c.layout.shard(flat, rank))
         if c.master.data_ptr() != c.shard.data_ptr():
             c.shard.copy_(c.master)
-    zero_state.load_canonical_optimizer_state(zero, state["optimizer"])
+        zero.store.release([c.master, c.shard])     # disk offload: written back, dropped
+    zero_state.load_canonical_optimizer_state(zero, state["optimizer"], pieces=True)
     for i in range(len(zero.chunks)):
         zero._launch_gather(i)                  # stage 3: nothing (the next forward gathers)
     zero._finish_gathers()

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 
 
-def full_state_dict(zero) -> dict[str, torch.Tensor]:
+def full_state_dict(zero, pieces: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter by name, in fp32, gathered from the masters (a collective); frozen
-    parameters, which every rank holds whole, as they are (fp32)."""
+    parameters, which every rank holds whole, as they are (fp32). ``pieces``: this rank's
+    tensor-parallel pieces, whole over the shard group only (no tp gather)."""
     zero.store.drain()                  # disk offload: every write finished (or raised)
     names = {p: n for n, p in zero.model.named_parameters()}
     out = {}
@@ -38,7 +39,8 @@ def full_state_dict(zero) -> dict[str, torch.Tensor]:
     for n, p in zero.model.named_parameters():
         if n not in out:
             out[n] = p.detach().float().cpu().clone()
-    return zero._whole({n: out[n] for n, _ in zero.model.named_parameters()})
+    out = {n: out[n] for n, _ in zero.model.named_parameters()}
+    return out if pieces else zero._whole(out)
 
 
 def full_state_order(zero) -> list[tuple[str, tuple[int, ...]]]:
@@ -252,13 +254,14 @@ def _load_streamed(zero, state: dict, read_parts) -> None:
 
 
 # -- the layout-free optimizer state (shardwise/checkpoint/: reshard) ------------------------
-def canonical_optimizer_state(zero) -> dict[str, dict[str, torch.Tensor]]:
+def canonical_optimizer_state(zero, pieces: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """Per parameter (original name, whole tensors on CPU): the element-wise optimizer
     states gathered from every rank's shard views as the masters are in
     ``full_state_dict`` (one all-gather per chunk and state, meter ``zero_state_ag``; then
     the tp pieces), and the scalars (Adam's step) from the views. The state names are
     agreed over dp first (one object collective), since a rank may hold no view of a chunk.
-    Memory: one whole chunk per state at a time on the device, the result on CPU."""
+    Memory: one whole chunk per state at a time on the device, the result on CPU.
+    ``pieces``: this rank's tensor-parallel pieces, whole over the shard group only."""
     zero.store.drain()
     names = {p: n for n, p in zero.model.named_parameters()}
     mine = {}
@@ -289,7 +292,7 @@ def canonical_optimizer_state(zero) -> dict[str, dict[str, torch.Tensor]]:
             zero._all_gather(full, shard.to(zero.device), async_op=False, name="zero_state_ag")
             for p, v in zip(c.params, c.layout.views(full)):
                 out.setdefault(names[p], {})[key] = v.detach().cpu().clone()
-    if zero.plan is not None:           # tensor parallel: whole tensors from the tp pieces
+    if zero.plan is not None and not pieces:    # tensor parallel: whole from the tp pieces
         for key, scalar in sorted(keys.items()):
             if scalar is None:
                 whole = zero._whole({n: out[n][key] for n, _ in zero.model.named_parameters()
@@ -300,27 +303,29 @@ def canonical_optimizer_state(zero) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def load_canonical_optimizer_state(zero, state: dict[str, dict[str, torch.Tensor]]) -> None:
+def load_canonical_optimizer_state(zero, state: dict[str, dict[str, torch.Tensor]],
+                                   pieces: bool = False) -> None:
     """Set each master view's optimizer state from whole per-name tensors: every chunk's
     states are laid out flat as its parameters are, and this rank keeps its shard (no
-    communication; tensor-parallel pieces cut first). Offloaded states move to the store."""
+    communication; tensor-parallel pieces cut first, unless ``pieces``: the state holds this
+    rank's tp pieces already). Offloaded states move to the store."""
     names = {p: n for n, p in zero.model.named_parameters()}
     for c in zero.chunks:
         present = [state.get(names[p], {}) for p in c.params]
         keys = sorted({k for entry in present for k in entry})
         for key in keys:
-            pieces = []
+            parts = []
             for p, shape, entry in zip(c.params, c.layout.shapes, present):
                 v = entry.get(key)
                 if v is None:       # (stage 3's p.data is not the whole parameter)
-                    pieces.append(torch.zeros(shape))
+                    parts.append(torch.zeros(shape))
                     continue
-                pieces.append(zero._tp_piece(names[p], v))   # base.Strategy
-            if pieces and pieces[0].dim() == 0:      # a scalar: every view takes it
+                parts.append(v if pieces else zero._tp_piece(names[p], v))   # base.Strategy
+            if parts and parts[0].dim() == 0:      # a scalar: every view takes it
                 for _, _, _, view in c.masters:
-                    zero.optimizer.state[view][key] = pieces[0].clone()
+                    zero.optimizer.state[view][key] = parts[0].clone()
                 continue
-            flat = c.layout.new_flat(pieces, torch.float32, c.master.device)
+            flat = c.layout.new_flat(parts, torch.float32, c.master.device)
             shard = c.layout.shard(flat, zero.group.rank)
             for _, lo, hi, view in c.masters:
                 st = zero.optimizer.state[view]

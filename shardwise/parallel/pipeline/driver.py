@@ -191,6 +191,12 @@ class PipelineDriver(Strategy):
 
     # -- --ft-replicas (parallel/replicas.py): the hook lives on the component ---------------
     @property
+    def component(self) -> Strategy:
+        """The gradient-sync component (DDP or ZeRO over this stage): replica groups of
+        different sizes gather, scatter and hand over its state (parallel/replicas.py)."""
+        return self.grads
+
+    @property
     def ft(self):
         """The replica groups' hook: the component's, which calls its ``reduce`` once a step in
         its ``_finish_grad_sync``, on this stage's reduced gradients (after the flush and the
