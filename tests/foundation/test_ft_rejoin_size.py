@@ -303,7 +303,8 @@ def _flags() -> list[str]:
 def _plain(flags: list[str]) -> list[str]:
     """The flags one process takes for the reference: without ZeRO's, HSDP's or offload's
     (_reference drops the strategy and the axes)."""
-    pairs, single = ("--zero-stage", "--dp-shard", "--offload"), ("--offload-params",)
+    pairs = ("--zero-stage", "--dp-shard", "--offload", "--checkpoint-dir", "--checkpoint-every")
+    single = ("--offload-params",)
     return [f for i, f in enumerate(flags)
             if f not in pairs + single and not (i and flags[i - 1] in pairs)]
 
@@ -321,12 +322,13 @@ def _plain(flags: list[str]) -> list[str]:
     (None, 4, 2, 4, ["--pp", "2", "--num-microbatches", "2", "--batch-size", "24"]),
     (None, 4, 2, 4, ["--zero-stage", "2", "--dp-shard", "2", "--batch-size", "24"]),
     ("zero2", 4, 2, 1, ["--offload", "cpu"]),
-    ("zero3", 2, 1, 2, ["--offload", "disk", "--offload-params"])],
+    ("zero3", 2, 1, 2, ["--offload", "disk", "--offload-params"]),
+    ("ddp", 4, 2, 1, ["--checkpoint-dir", "{tmp}", "--checkpoint-every", "4"])],
     ids=["2x2-back-with-1", "2x1-back-with-2", "zero2-2x2-back-with-1", "zero3-2x1-back-with-2",
          "zero1-clipped-2x2-back-with-1", "tp2-back-at-dp2", "zero2-tp2-clipped-back-at-dp2",
          "zero1-pp2-back-at-dp2", "cp2-back-at-dp2", "pp2-back-at-dp2",
          "zero2-2x2-back-as-hsdp-2x2", "zero2-offload-cpu-2x2-back-with-1",
-         "zero3-offload-disk-params-2x1-back-with-2"])
+         "zero3-offload-disk-params-2x1-back-with-2", "checkpoints-2x2-back-with-1"])
 def test_a_group_rejoins_at_another_size(tmp_path, strategy, nproc, size, rejoin, extra):
     """Module docstring: 2 DDP groups of 2 ranks, group 1 back with one rank; and the other
     way, 2 one-rank groups, group 1 back with two ranks (its second rank gets the state from
@@ -338,7 +340,7 @@ def test_a_group_rejoins_at_another_size(tmp_path, strategy, nproc, size, rejoin
     ``--grad-clip`` small enough to clip every step: every group clips by the whole gradient's
     norm (zero_resize.scatter_grads' squares), as one process does."""
     from safetensors.torch import load_file
-    flags = _flags() + extra
+    flags = _flags() + [f.replace("{tmp}", str(tmp_path / "ckpt")) for f in extra]
     at = flags.index("--strategy")
     if strategy is None:            # the axis flags (and --zero-stage) compose alone
         del flags[at:at + 2]
@@ -353,6 +355,8 @@ def test_a_group_rejoins_at_another_size(tmp_path, strategy, nproc, size, rejoin
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"replica group 1: torchrun exited with 1; restarting it with {rejoin} rank(s) " \
         "(restart 1 of 2)" in done.stderr, done.stderr[-3000:]
+    if "--checkpoint-dir" in flags:     # group 1 at 1 rank resumed a checkpoint of 2 first
+        assert "resharded into this layout" in done.stdout + done.stderr, done.stdout[-3000:]
     run = str(tmp_path / "ft")
     survivors = [e for e in _events(run, 0) if e["event"] == "start"]
     assert sorted((e["rank"], e["restart"], e["ranks"]) for e in survivors) == \
