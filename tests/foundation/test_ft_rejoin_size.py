@@ -15,7 +15,12 @@ step the weighted sum, from its leader's broadcast). And with ZeRO inside the gr
 as 2 x 2 back with 1, ZeRO-3 as 2 x 1 back with 2): each group gathers its gradient shards
 into whole chunks for the leaders' sum and scatters the result back, and the joiner loads its
 own shards of the source group's layout-free state (parallel/data/zero_resize.py); the same
-checks and the same tolerance (the same sums, up to their order).
+checks and the same tolerance (the same sums, up to their order). And groups that keep their
+pieces of the model and change their dp size (2 groups of 2 ranks, group 1 back at 4): tp 2,
+tp 2 with ZeRO-2 clipped, pp 2 (DDP and ZeRO-1), cp 2, ZeRO-2 back as HSDP; ZeRO with
+--offload cpu and with --offload disk --offload-params; a restart under --checkpoint-dir that
+resumes a checkpoint of another world first; Hugging Face Llama (tp 2) and GPT-2 (tied,
+ZeRO-3).
 
 The losses. The data rule (replicas_checks.share) cuts each step's global batch of 12 into
 one slice per live dp rank (4 slices with 2 + 2 ranks, 2 with group 0 alone, 3 with 2 + 1),
@@ -323,12 +328,15 @@ def _plain(flags: list[str]) -> list[str]:
     (None, 4, 2, 4, ["--zero-stage", "2", "--dp-shard", "2", "--batch-size", "24"]),
     ("zero2", 4, 2, 1, ["--offload", "cpu"]),
     ("zero3", 2, 1, 2, ["--offload", "disk", "--offload-params"]),
-    ("ddp", 4, 2, 1, ["--checkpoint-dir", "{tmp}", "--checkpoint-every", "4"])],
+    ("ddp", 4, 2, 1, ["--checkpoint-dir", "{tmp}", "--checkpoint-every", "4"]),
+    (None, 4, 2, 4, ["--model", "hf:llama", "--tp", "2"]),
+    ("zero3", 2, 1, 2, ["--model", "hf:gpt2"])],
     ids=["2x2-back-with-1", "2x1-back-with-2", "zero2-2x2-back-with-1", "zero3-2x1-back-with-2",
          "zero1-clipped-2x2-back-with-1", "tp2-back-at-dp2", "zero2-tp2-clipped-back-at-dp2",
          "zero1-pp2-back-at-dp2", "cp2-back-at-dp2", "pp2-back-at-dp2",
          "zero2-2x2-back-as-hsdp-2x2", "zero2-offload-cpu-2x2-back-with-1",
-         "zero3-offload-disk-params-2x1-back-with-2", "checkpoints-2x2-back-with-1"])
+         "zero3-offload-disk-params-2x1-back-with-2", "checkpoints-2x2-back-with-1",
+         "hf-llama-tp2-back-at-dp2", "hf-gpt2-tied-zero3-2x1-back-with-2"])
 def test_a_group_rejoins_at_another_size(tmp_path, strategy, nproc, size, rejoin, extra):
     """Module docstring: 2 DDP groups of 2 ranks, group 1 back with one rank; and the other
     way, 2 one-rank groups, group 1 back with two ranks (its second rank gets the state from
