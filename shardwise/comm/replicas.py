@@ -7,13 +7,13 @@ reused while the members stay. Its collectives are the backend's own, called on 
 (it is not registered with the world's c10d state, which belongs to the group's own world).
 Nothing here raises on a lost peer: :meth:`ReplicaLink.all_reduce_sum` returns False, and the
 quorum's vote decides what happens next. Every wait on the link polls (comm/collectives.Work,
-sleeping 1 ms between polls; a send / recv through a waiting thread, as gloo's p2p Works cannot
-be polled) up to the link's timeout, so a SIGTERM's Python handler runs at once: a blocking gloo
-wait held it, and with it torchrun's shutdown of a group that lost a rank, until the timeout.
-When the members have different rank counts (``--ft-rejoin-nproc``: DDP or ZeRO) only the
-lane of in-group rank 0, the groups' *leaders*, is built; what its leader received reaches a
-group's other ranks by :func:`broadcast_state` (or a plain broadcast of the flat) over the
-group's own world.
+sleeping 1 ms between polls; a send / recv, and the link's construction, which connects to
+every member, through a waiting thread, as those cannot be polled) up to the link's timeout,
+so a SIGTERM's Python handler runs at once: a blocking gloo wait held it, and with it
+torchrun's shutdown of a group that lost a rank, until the timeout. When the members have
+different rank counts (``--ft-rejoin-nproc``) only the lanes of each piece's *leaders* (its
+rank 0 over dp x cp in each group) are built; what a leader received reaches its piece's other
+ranks by :func:`broadcast_state` (or a plain broadcast of the flat) over its dp x cp peers.
 
 Metering (on the rank's CommMeter, op ``ft_all_reduce`` / ``ft_state``): the ring figure for
 the all-reduce (2(N-1)/N x K bytes sent and received), the exact bytes for the state copies
@@ -59,21 +59,23 @@ def broadcast_state(comm: Comm, group: Group, state: dict | None) -> dict:
 
 
 class _OnThread:
-    """A gloo send / recv Work made pollable. Gloo's p2p Works report completion only inside
-    ``wait()`` (``is_completed()`` stays False: measured on torch 2.13, as comm/collectives.py
-    says), so a daemon thread makes that blocking wait, bounded by the link's own timeout, and
-    :class:`Work` polls the thread. A caller that leaves meanwhile (a stop) leaves the thread
-    behind: a rank ends with os._exit (launch/ranks.py), which does not wait for it."""
+    """A blocking gloo call made pollable: a send / recv Work's wait (gloo's p2p Works report
+    completion only inside ``wait()``; ``is_completed()`` stays False: measured on torch 2.13,
+    as comm/collectives.py says), or the link's construction (its connections to every peer).
+    A daemon thread makes the call, bounded by the link's own timeout, and :class:`Work` polls
+    the thread. A caller that leaves meanwhile (a stop) leaves the thread behind: a rank ends
+    with os._exit (launch/ranks.py), which does not wait for it."""
 
-    def __init__(self, work):
+    def __init__(self, call):
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(work,), daemon=True,
-                                       name="shardwise-ft-p2p")
+        self.result = None
+        self.thread = threading.Thread(target=self._run, args=(call,), daemon=True,
+                                       name="shardwise-ft-link")
         self.thread.start()
 
-    def _run(self, work) -> None:
+    def _run(self, call) -> None:
         try:
-            work.wait()
+            self.result = call()
         except BaseException as exc:      # re-raised on the caller's thread by wait()
             self.error = exc
 
@@ -95,8 +97,11 @@ class ReplicaLink:
                  timeout: float, meter: CommMeter):
         self.index, self.size, self.meter = index, size, meter
         self.timeout = timedelta(seconds=timeout)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ft/{link}/{lane}", store), index,
-                                        size, self.timeout)
+        # connecting to every member blocks until they all came (or the timeout): polled too
+        build = _OnThread(lambda: dist.ProcessGroupGloo(
+            dist.PrefixStore(f"ft/{link}/{lane}", store), index, size, self.timeout))
+        self._wait(build, "ft_link")
+        self.pg = build.result
 
     def _wait(self, work, op: str) -> None:
         """Poll ``work`` (comm/collectives.Work, sleeping PAUSE_S between polls) until it is
@@ -122,16 +127,16 @@ class ReplicaLink:
         data = _to_bytes(state)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         for dst in receivers:
-            self._wait(_OnThread(self.pg.send([size], dst, 0)), "ft_state")
-            self._wait(_OnThread(self.pg.send([data], dst, 1)), "ft_state")
+            self._wait(_OnThread(self.pg.send([size], dst, 0).wait), "ft_state")
+            self._wait(_OnThread(self.pg.send([data], dst, 1).wait), "ft_state")
             self.meter.record("ft_state", data.numel() + 8, 0)
 
     def recv_state(self, src: int) -> dict:
         """The state dict member ``src`` sent (loaded on the CPU); CollectiveError when ``src``
         was lost or sent nothing within the timeout."""
         size = torch.zeros(1, dtype=torch.int64)
-        self._wait(_OnThread(self.pg.recv([size], src, 0)), "ft_state")
+        self._wait(_OnThread(self.pg.recv([size], src, 0).wait), "ft_state")
         data = torch.empty(int(size), dtype=torch.uint8)
-        self._wait(_OnThread(self.pg.recv([data], src, 1)), "ft_state")
+        self._wait(_OnThread(self.pg.recv([data], src, 1).wait), "ft_state")
         self.meter.record("ft_state", 0, data.numel() + 8)
         return _from_bytes(data)

@@ -1,6 +1,6 @@
 """ReplicaLink's waits (comm/replicas.py) let a rank's SIGTERM handler run: a rank blocked in the
-lane's all-reduce, or in receiving a joiner's state, whose peer never comes leaves within a
-second of the signal, not at the link's timeout (60 s here). Once torchrun's agent SIGTERMs the
+lane's all-reduce, in receiving a joiner's state, or in building a link, whose peer never comes
+leaves within a second of the signal, not at the link's timeout (60 s here). Once torchrun's agent SIGTERMs the
 survivors of a group that lost a rank it waits for them, so a blocked one held its torchrun
 for the whole timeout (issue 34: about 55 s). The same run checks that the polled waits still
 sum and copy state, and that a peer that never comes makes all_reduce_sum return False at the
@@ -46,7 +46,7 @@ if index == 1:
     a.all_reduce_sum(torch.full((5,), 2.0))
     a.send_state({"w": torch.arange(4.0)}, [0])
     b, c = link(1, SHORT), link(2, LONG)     # kept: a dropped link closes at once
-    mark("peer")
+    mark("peer")                         # it never builds link 3
     time.sleep(300)                      # never comes again (the test kills it)
 out = {}
 flat = torch.ones(5)
@@ -57,7 +57,8 @@ began = time.monotonic()
 out["lost"] = b.all_reduce_sum(torch.ones(5))          # the peer never joins: False, no raise
 out["lost_after"] = time.monotonic() - began
 for phase, wait in (("all_reduce", lambda: a.all_reduce_sum(torch.ones(5))),
-                    ("recv_state", lambda: c.recv_state(1))):
+                    ("recv_state", lambda: c.recv_state(1)),
+                    ("build", lambda: link(3, LONG))):
     stopping.install_handlers()
     mark(phase)                          # the test signals once this exists
     try:
@@ -90,7 +91,7 @@ def test_sigterm_reaches_a_rank_blocked_on_the_link(tmp_path):
     waiter, peer = procs
     try:
         took = {}
-        for phase in ("all_reduce", "recv_state"):
+        for phase in ("all_reduce", "recv_state", "build"):
             _wait_for(str(tmp_path / phase), 40, waiter)
             time.sleep(0.3)              # inside the wait by now
             waiter.send_signal(signal.SIGTERM)
@@ -104,5 +105,5 @@ def test_sigterm_reaches_a_rank_blocked_on_the_link(tmp_path):
     out = json.loads(stdout)
     assert out["summed"] == [3.0] * 5 and out["state"] == [0.0, 1.0, 2.0, 3.0]
     assert out["lost"] is False and SHORT * 0.9 < out["lost_after"] < SHORT + 2.0
-    assert out["all_reduce"] == out["recv_state"] == signal.SIGTERM, out
+    assert out["all_reduce"] == out["recv_state"] == out["build"] == signal.SIGTERM, out
     assert max(took.values()) < DEADLINE, took
