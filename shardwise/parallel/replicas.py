@@ -25,13 +25,14 @@ rank with N ranks, which keeps its tp, pp and cp and changes its dp size only: a
 HSDP or offload layout inside). Lane r no longer pairs like with like, but each group holds
 the same *pieces* of the model (a stage's tp slice, piece index pp_rank x tp + tp_rank), and
 under DDP every rank of a piece holds its group's whole mean gradient of it after its own
-allreduce over dp x cp (under ZeRO after an all-gather of its gradient shards over the shard
-group first, into each chunk's whole flat, whose unpadded part is laid out alike in groups of
-any size: parallel/data/zero_resize.py), so only the piece's *leaders* (its rank 0 over dp x
-cp in each member) form the piece's lane: each sums [its group's mean gradient x the group's
-dp size | the buffers as below | its group's loss sum (one tiny allreduce over dp x cp first,
-divided by cp)] over the leaders, broadcasts the result and its verdict over its dp x cp
-peers, and every rank divides by D: the gradient of the whole batch's mean loss, the weighted
+allreduce over dp x cp (under ZeRO the leader does, once its shard group's ranks sent it their
+gradient shards, into each chunk's whole flat, whose unpadded part is laid out alike in
+groups of any size: parallel/data/zero_resize.py), so only the piece's *leaders* (its rank 0
+over dp x cp in each member) form the piece's lane: each sums [its group's mean gradient x
+the group's dp size | the buffers as below | its group's loss sum (one tiny allreduce over dp
+x cp first, divided by cp)] over the leaders, broadcasts the result (ZeRO: all but the
+gradient, whose slices it sends each rank) and its verdict over its dp x cp peers, and every
+rank divides by D: the gradient of the whole batch's mean loss, the weighted
 sum of the groups' means (weight: their share of the rows); ZeRO's ranks then copy their
 slices back into their gradient shards and clip by the whole gradient's norm. A joining
 piece's leader receives the source piece leader's DDP state (model, optimizer, RNG, loss
@@ -95,8 +96,9 @@ Groups of different sizes: 2(L-1)/L x 4P over each piece's leaders' lane for eac
 (P: the piece), then a broadcast of 4P over its dp x cp peers (the root sends 4P, every other
 rank receives it), and the piece's state (12P with Adam) once to the joining leader, then
 broadcast over its dp x cp peers; under ZeRO
-also the all-gather of the gradient shards ((g-1)/g of the gradient per rank and step), and
-4P of whole gradient plus the 4P flat on every rank instead of 4P/g.
+no broadcast of the gradient but each rank's shard sent to the leader and its slice of the
+sum sent back (the leader receives and sends (g-1)/g of the gradient per step), and 4P of whole
+gradient plus the 4P flat on the leader only (every other rank its 4P/g).
 
 Reference: torchft (PyTorch), "Fault Tolerance for Large Scale Training" (the quorum, the
 per-step commit, recovery from a live peer).
@@ -346,16 +348,17 @@ class ReplicaGroups:
             divisor = len(d.members)
         else:
             sizes = self._dp_sizes(d)
-            if sharded:     # ZeRO: each chunk's whole gradient, the same layout in any group
-                buffers = self.component.gather_grad_shards()
+            if sharded:     # ZeRO: each chunk's whole gradient on the leader (None elsewhere)
+                buffers = self.component.gather_grad_shards() or []
             ok = self.sums.launch_weighted(self.link, buffers, local, first,
-                                           sizes[d.members.index(self.group)], self.sync_group)
+                                           sizes[d.members.index(self.group)], self.sync_group,
+                                           leader_only=sharded)
             divisor = sum(sizes)
         if not self.quorum.vote(d, ok, self.timeout):
             raise Redo(f"round {d.round}")
         self.loss = self.sums.finish(buffers, divisor, weighted=not d.even)
-        if sharded and not d.even:      # this rank's slices back into its gradient shards
-            self.component.scatter_grad_shards(buffers)
+        if sharded and not d.even:      # every rank's slices back into its gradient shards
+            self.component.scatter_grad_shards(buffers if self.sync_group.rank == 0 else None)
 
     def _dp_sizes(self, d: Decision) -> tuple[int, ...]:
         """Each member's dp size (its rank count over tp x pp x cp, the same in every group)."""

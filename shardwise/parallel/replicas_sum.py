@@ -10,14 +10,15 @@ Two ways (parallel/replicas.py chooses by the quorum's decision, ``Decision.even
 - members of one size (:meth:`LaneSum.launch_even`): lane r sums rank r's flat over the
   members (the same pieces in every group), and :meth:`LaneSum.finish` divides the gradients
   and the loss by the live count L: the mean of the groups' means, each over an equal share.
-- members of different sizes (``--ft-rejoin-nproc``, DDP or ZeRO;
-  :meth:`LaneSum.launch_weighted`): every rank holds its group's whole mean gradient (ZeRO:
-  each chunk's unpadded flat, which parallel/replicas.py has the strategy gather from its
-  shards first and scatter back after), so only the leaders (in-group rank 0) sum, each its
-  group's mean x the group's dp size and its group's loss sum (one allreduce
-  of 4 bytes over the group first); each leader broadcasts the sums and whether its lane
-  succeeded over its own group, and :meth:`LaneSum.finish` divides by the live groups' total
-  dp size D: the mean over every row of the step, the weighted sum of the groups' means.
+- members of different sizes (``--ft-rejoin-nproc``: the same tp, pp and cp, another dp;
+  :meth:`LaneSum.launch_weighted`): every rank holds its group's whole mean gradient of its
+  piece of the model (ZeRO: each chunk's unpadded flat, which parallel/replicas.py has the
+  strategy gather from its shards first and scatter back after), so only each piece's
+  leaders (rank 0 over dp x cp) sum, each its group's mean x the group's dp size and its
+  group's loss sum (one allreduce of 4 bytes over dp x cp first, divided by cp); each leader
+  broadcasts the sums and whether its lane succeeded over its dp x cp peers, and
+  :meth:`LaneSum.finish` divides by the live groups' total dp size D: the mean over every
+  row of the step, the weighted sum of the groups' means.
 
 Buffers are not averaged: only the first live group puts its own in (the others zeros), so
 every group continues with the first live group's, as DDP gives every forward dp rank 0's.
@@ -27,7 +28,7 @@ Collectives: the lane's allreduce (comm/replicas.py); in the weighted way also a
 of the loss and a broadcast of the flat over the group's own world. Memory: the flat, 4P
 under DDP (4P/g under ZeRO) plus the buffers, allocated once and reused. Traffic: even,
 2(L-1)/L x 4P per rank over its lane; weighted, that for each leader only, plus a broadcast
-of 4P over each group.
+of 4P over its dp x cp peers.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ class LaneSum:
         self.grads = sum(b.numel() for b in buffers)
         total = self.grads + sum(b.numel() for b in self.stats) + extra
         if self.flat is None or self.flat.numel() != total:
-            self.flat = torch.empty(total, dtype=torch.float32, device=buffers[0].device)
+            device = buffers[0].device if buffers else self.strategy.device
+            self.flat = torch.empty(total, dtype=torch.float32, device=device)
         self.views, at = [], 0
         for i, b in enumerate((*buffers, *self.stats)):
             view = self.flat[at:at + b.numel()]
@@ -79,11 +81,13 @@ class LaneSum:
         return link.all_reduce_sum(self.flat)
 
     def launch_weighted(self, link, buffers: list[torch.Tensor], loss: torch.Tensor,
-                        first: bool, dp_size: int, group) -> bool:
+                        first: bool, dp_size: int, group, leader_only: bool = False) -> bool:
         """The leaders' weighted sum, then its broadcast over ``group`` (this rank's dp x cp
         peers, which hold the same piece of the model: module docstring); ``link`` is None
-        except on the leader. False (on every rank of the group) when the leader's lane lost
-        a peer."""
+        except on the leader. ``leader_only`` (ZeRO): the gradients are the leader's alone
+        (``buffers`` empty elsewhere) and stay there (the strategy scatters them), so only
+        the buffers and scalars are broadcast. False (on every rank of the group) when the
+        leader's lane lost a peer."""
         comm, cp = self.strategy.comm, self.strategy.mesh.cp
         # the group's sum of its dp ranks' means (under --cp each dp rank's mean is the mean
         # of its cp ranks' means over equal parts of the rows' sequences)
@@ -97,7 +101,9 @@ class LaneSum:
         if link is not None:
             ok = link.all_reduce_sum(self.flat)
             self.flat[-1] = 1.0 if ok else 0.0
-        comm.broadcast(self.flat, 0, group, name="ft_broadcast")   # the leader's sums, verdict
+        # the leader's sums (``leader_only``: the buffers' and scalars') and its verdict
+        tail = self.flat[self.grads:] if leader_only else self.flat
+        comm.broadcast(tail, 0, group, name="ft_broadcast")
         return bool(self.flat[-1] > 0)
 
     def finish(self, buffers: list[torch.Tensor], divisor: int, weighted: bool) -> torch.Tensor:

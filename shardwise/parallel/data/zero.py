@@ -80,8 +80,8 @@ same in-group rank of every live group (once a step; 4K/N bytes through one allr
 failed vote there raises Redo before anything else read them: :meth:`zero_grad` drops the step's
 gradients and the step is taken again. The join's state copy is :meth:`state_dict`, shard by
 shard (in-group rank r to in-group rank r). Groups of different sizes (``--ft-rejoin-nproc``):
-the hook has the strategy gather its gradient shards into whole chunks and scatter the sum
-back (:meth:`gather_grad_shards`, :meth:`scatter_grad_shards`; clipping then takes the
+the hook has the strategy gather its gradient shards into whole chunks on the group's leader
+and scatter the sum back (:meth:`gather_grad_shards`, :meth:`scatter_grad_shards`; clipping then takes the
 whole gradient's squares), and a joiner loads :meth:`layout_free_state` (zero_resize.py).
 """
 from __future__ import annotations
@@ -513,13 +513,15 @@ class ZeroStrategy(Strategy):
             self._ft_reduced = True
 
     # --ft-rejoin-nproc: replica groups of different sizes (zero_resize.py)
-    def gather_grad_shards(self) -> list[torch.Tensor]:
-        """Each chunk's whole reduced gradient, unpadded (an all-gather over the group)."""
+    def gather_grad_shards(self) -> list[torch.Tensor] | None:
+        """On the gradient group's rank 0, each chunk's whole reduced gradient, unpadded (the
+        shard group's ranks send it theirs); None elsewhere."""
         return zero_resize.gather_grads(self)
 
-    def scatter_grad_shards(self, wholes: list[torch.Tensor]) -> None:
-        """This rank's slices of the summed ``wholes`` into its gradient shards; clipping
-        then uses the whole gradient's squares (the same norm in groups of any size)."""
+    def scatter_grad_shards(self, wholes: list[torch.Tensor] | None) -> None:
+        """Every rank's slices of the summed ``wholes`` (given on rank 0) into its gradient
+        shards; clipping then uses the whole gradient's squares (the same norm in groups of
+        any size)."""
         self._whole_sq = zero_resize.scatter_grads(self, wholes)
 
     def layout_free_state(self) -> dict:

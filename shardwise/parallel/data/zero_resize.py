@@ -13,26 +13,32 @@ multiple of g) and where the shard bounds fall. The chunks themselves do not dep
 chunk's flat is the same vector in a group of 1, 2 or 3 ranks, and a group of another size can
 sum, or load, it and cut its own shards from it.
 
-Partition: :func:`gather_grads` gives every rank of the group each chunk's whole reduced
-gradient (its unpadded prefix, the group's mean), :func:`scatter_grads` copies this rank's
-slice of the summed flats back into its ``grad_shard`` (the padding untouched, 0) and keeps the
-squares of the whole gradient for clipping (of this rank's piece; a tp-replicated entry counted
-on tp rank 0 only, as the shard path counts it, then summed over tp and pp as ever), so every
-rank of every group clips by the same norm to the bit. :func:`layout_free_state` is this rank's piece of the model by name (fp32, from
+Partition: :func:`gather_grads` gives the leader (rank 0 of the gradient group, and of its
+shard group) each chunk's whole reduced gradient (its unpadded prefix, the group's mean), which
+the other ranks of its shard group send it; nobody else holds more than its shards.
+:func:`scatter_grads` sends every rank its slice of the summed flats, into its ``grad_shard``
+(the padding untouched, 0; under HSDP replica 0's shards are broadcast to the other replicas),
+and every rank keeps the squares of the whole gradient for clipping, which the leader computes
+and broadcasts (of this rank's piece; a tp-replicated entry counted on tp rank 0 only, as the
+shard path counts it, then summed over tp and pp as ever), so every rank of every group clips
+by the same norm to the bit. :func:`layout_free_state` is this rank's piece of the model by name (fp32, from
 the masters: under tensor parallelism its tp slice, under a pipeline its stage, whole over the
 shard group only), its optimizer state by name (zero_state.canonical_optimizer_state) and the
 buffers, which the same piece of a group of another size loads (the same tp and pp);
 :func:`load_layout_free_state` sets this rank's masters, working shards and optimizer state
 from it and gathers the whole parameters again (stages 1-2).
 
-Collectives (over the group's shard group): per step one all-gather of each chunk's gradient
-shard (meter ``ft_grad_ag``); once per join, on the source group, the all-gathers of
+Collectives: per step, over the leader's shard group, a send of each chunk's gradient shard to
+the leader (meter ``ft_grad_gather``) and one back (``ft_grad_scatter``; under HSDP then a
+broadcast of each shard over the replica group), and a broadcast of the squares (4 bytes) over
+the gradient group (``ft_grad_norm``); once per join, on the source group, the all-gathers of
 zero_state's full forms (``zero_state_ag``); on the joining group the parameter all-gathers of
-the load (stages 1-2, ``zero_param_ag``). Memory: the whole gradient (the model's, in the
-working dtype) beside the shards on every rank for the step's sum (plus the lane's fp32 flat,
-parallel/replicas_sum.py); the layout-free state (12P bytes with Adam, on the CPU) on every rank
-of the source and joining groups while a join is served. Traffic: (g-1)/g x the gradient's
-bytes per rank and step, on top of the groups' own reduce-scatter.
+the load (stages 1-2, ``zero_param_ag``). Memory: on the leader only, the whole gradient of its
+piece (in the working dtype) beside its shards for the step's sum (plus the lane's fp32 flat,
+parallel/replicas_sum.py); every other rank its shards, as without groups. The layout-free
+state (12P bytes with Adam, on the CPU) on every rank of the source and joining groups while a
+join is served. Traffic: each rank sends (and receives back) its 1/g of the gradient per step;
+the leader receives and sends (g-1)/g of it, on top of the groups' own reduce-scatter.
 """
 from __future__ import annotations
 
@@ -42,35 +48,88 @@ from shardwise.parallel.base import grad_sq
 from shardwise.parallel.data import zero_state
 
 
+def _fans(zero) -> bool:
+    """Whether this rank's shard group is the leader's (the gradient group's rank 0): every
+    shard group but, under HSDP, those of the other replicas, which hold the same shards."""
+    return zero.mesh.coord("dp_replicate") == 0
+
+
 @torch.no_grad()
-def gather_grads(zero) -> list[torch.Tensor]:
-    """Each chunk's whole reduced gradient, unpadded ((numel,) in the working dtype, the same
-    on every rank of the group): one all-gather of its gradient shards."""
-    out = []
+def gather_grads(zero) -> list[torch.Tensor] | None:
+    """On the leader (rank 0 of the shard group, and of the gradient group), each chunk's
+    whole reduced gradient, unpadded ((numel,) in the working dtype): the other ranks of its
+    shard group send it their shards (meter ``ft_grad_gather``); None on every other rank,
+    which holds no more than its shards."""
+    if not _fans(zero):
+        return None
+    g, out = zero.group, []
     for c in zero.chunks:
-        full = torch.empty(c.layout.padded, dtype=c.grad_shard.dtype, device=zero.device)
-        zero._all_gather(full, c.grad_shard.to(zero.device), async_op=False,
-                         name="ft_grad_ag")
+        n = c.layout.shard_numel
+        if g.rank != 0:
+            zero.comm.send(c.grad_shard.to(zero.device).contiguous(), 0, g,
+                           name="ft_grad_gather")
+        else:
+            full = torch.empty(c.layout.padded, dtype=c.grad_shard.dtype, device=zero.device)
+            full[:n].copy_(c.grad_shard)
+            for r in range(1, g.size):
+                zero.comm.recv(full[r * n:(r + 1) * n], r, g, name="ft_grad_gather")
+            out.append(full[:c.layout.numel])
         if zero.grads_offloaded:            # disk: the shard's pages read, dropped again
             zero.store.release([c.grad_shard], written=False)
-        out.append(full[:c.layout.numel])
-    return out
+    return out if g.rank == 0 else None
 
 
 @torch.no_grad()
-def scatter_grads(zero, wholes: list[torch.Tensor]) -> torch.Tensor:
-    """This rank's slice of each summed whole gradient into its ``grad_shard``; returns the
-    squares of the whole gradient of this rank's piece (fp32 scalar, the same on every rank of
-    this piece in every group; under tensor parallelism only the entries tp rank 0 counts of a
-    replicated parameter, as ``_local_grad_sq`` counts them)."""
-    rank = zero.group.rank
-    for c, whole in zip(zero.chunks, wholes):
-        lo, hi = c.layout.shard_range(rank)
-        hi = min(hi, c.layout.numel)            # the padding stays as reduced (zeros)
-        if lo < hi:
-            c.grad_shard[:hi - lo].copy_(whole[lo:hi])
-        if zero.grads_offloaded:            # disk: written back, its pages dropped
-            zero.store.release([c.grad_shard])
+def scatter_grads(zero, wholes: list[torch.Tensor] | None) -> torch.Tensor:
+    """Each rank's slice of the summed whole gradients (``wholes``, on the leader only) into
+    its ``grad_shard``: the leader sends each rank of its shard group its slice (meter
+    ``ft_grad_scatter``; the padding stays as reduced, zeros), and under HSDP the shards go on
+    over the replica group. Returns the squares of the whole gradient of this rank's piece,
+    computed by the leader and broadcast over the gradient group (fp32 scalar, the same bits
+    on every rank of this piece in every group: each leader sums the same whole in the same
+    order; under tensor parallelism only the entries tp rank 0 counts of a replicated
+    parameter, as ``_local_grad_sq`` counts them)."""
+    g = zero.group
+    if _fans(zero):
+        for i, c in enumerate(zero.chunks):
+            numel = c.layout.numel
+            if g.rank == 0:
+                for r in range(g.size):
+                    lo, hi = c.layout.shard_range(r)
+                    hi = min(hi, numel)
+                    if lo >= hi:
+                        continue
+                    if r == 0:
+                        c.grad_shard[:hi - lo].copy_(wholes[i][lo:hi])
+                    else:
+                        zero.comm.send(wholes[i][lo:hi].contiguous(), r, g,
+                                       name="ft_grad_scatter")
+            else:
+                lo, hi = c.layout.shard_range(g.rank)
+                hi = min(hi, numel)
+                if lo < hi:
+                    piece = torch.empty(hi - lo, dtype=c.grad_shard.dtype, device=zero.device)
+                    zero.comm.recv(piece, 0, g, name="ft_grad_scatter")
+                    c.grad_shard[:hi - lo].copy_(piece)
+            if zero.grads_offloaded:        # disk: written back, its pages dropped
+                zero.store.release([c.grad_shard])
+    replicas = zero.mesh.group("dp_replicate")
+    if replicas.size > 1:                   # HSDP: replica 0's shards to the other replicas
+        for c in zero.chunks:
+            shard = c.grad_shard.to(zero.device)
+            zero.comm.broadcast(shard, 0, replicas, name="ft_grad_scatter")
+            if shard.data_ptr() != c.grad_shard.data_ptr():
+                c.grad_shard.copy_(shard)
+            if zero.grads_offloaded:
+                zero.store.release([c.grad_shard])
+    sq = torch.zeros(1, dtype=torch.float32, device=zero.device)
+    if wholes is not None:
+        sq[0] = _whole_sq(zero, wholes)
+    zero.comm.broadcast(sq, 0, zero.mesh.grad_group, name="ft_grad_norm")
+    return sq[0]
+
+
+def _whole_sq(zero, wholes: list[torch.Tensor]) -> torch.Tensor:
     if zero.plan is None:
         return grad_sq(wholes, zero.device)
     names = {p: n for n, p in zero.model.named_parameters()}
