@@ -48,14 +48,16 @@ def _from_bytes(data: torch.Tensor) -> dict:
 
 def broadcast_state(comm: Comm, group: Group, state: dict | None) -> dict:
     """``state`` (given on member 0 of ``group``, None elsewhere) on every member: its
-    torch.save bytes, their count first (two broadcasts over ``group``, host tensors)."""
-    data = _to_bytes(state) if group.rank == 0 else None
-    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+    torch.save bytes, their count first (two broadcasts over ``group``, on the run's device:
+    NCCL moves device tensors only, and gloo stages a CUDA tensor through the host itself)."""
+    device = comm.device
+    data = _to_bytes(state).to(device) if group.rank == 0 else None
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
     comm.broadcast(size, 0, group, name="ft_state")
     if data is None:
-        data = torch.empty(int(size), dtype=torch.uint8)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     comm.broadcast(data, 0, group, name="ft_state")
-    return state if group.rank == 0 else _from_bytes(data)
+    return state if group.rank == 0 else _from_bytes(data.cpu())
 
 
 class _OnThread:
@@ -111,12 +113,17 @@ class ReplicaLink:
 
     def all_reduce_sum(self, flat: torch.Tensor) -> bool:
         """Sum ``flat`` over the members in place; False when a peer was lost or none came
-        within the link's timeout (the contents are then undefined)."""
+        within the link's timeout (the contents are then undefined). A tensor off the CPU (a
+        GPU run's flat) is summed in a host copy: the link is gloo, which aborts the process
+        when handed GPU memory (docs/gpu.md)."""
         began = time.perf_counter()
+        host = flat if flat.device.type == "cpu" else flat.to("cpu")
         try:
-            self._wait(self.pg.allreduce([flat]), "ft_all_reduce")
+            self._wait(self.pg.allreduce([host]), "ft_all_reduce")
         except RuntimeError:              # CollectiveError
             return False
+        if host is not flat:
+            flat.copy_(host)
         k = flat.numel() * flat.element_size() * 2 * (self.size - 1) / self.size
         self.meter.record("ft_all_reduce", k, k, time.perf_counter() - began)
         return True

@@ -130,3 +130,30 @@ def test_generate_on_the_gpu_matches_cpu(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         texts.append(out.stdout)
     assert texts[0] == texts[1] and texts[0].startswith("the quick"), texts
+
+
+def _replica_pieces(rank, n, path):
+    """Replica groups' two exchanges on the device: a joining group's state broadcast over
+    its own world (on the run's device: NCCL moves device tensors only; here gloo, staged
+    through the host) and the lane's sum of a device flat over the gloo link (in a host copy:
+    gloo aborts on GPU memory)."""
+    import torch
+    import torch.distributed as dist
+    from shardwise.comm.collectives import Comm, CommMeter, Group
+    from shardwise.comm.replicas import ReplicaLink, broadcast_state
+    comm = Comm(device=DEVICE, check_devices=True)
+    group = Group(dist.group.WORLD, tuple(range(n)), rank)
+    got = broadcast_state(comm, group, {"w": torch.arange(4.0)} if rank == 0 else None)
+    link = ReplicaLink(dist.FileStore(path, n), 0, 0, rank, n, 60, CommMeter())
+    flat = torch.full((3,), float(rank + 1), device=DEVICE)
+    ok = link.all_reduce_sum(flat)
+    return got["w"].tolist(), ok, flat.device.type, flat.cpu().tolist()
+
+
+def test_replica_groups_exchange_device_tensors(tmp_path):
+    """``--ft-replicas`` on a GPU: the state broadcast and the lane's sum take CUDA tensors
+    (two ranks on the one GPU over gloo)."""
+    for state, ok, kind, flat in run_world(_replica_pieces, 2, str(tmp_path / "store"),
+                                           timeout=120):
+        assert state == [0.0, 1.0, 2.0, 3.0] and ok and flat == [3.0, 3.0, 3.0]
+        assert kind == DEVICE
