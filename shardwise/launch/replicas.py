@@ -6,7 +6,8 @@ rendezvous and ``--max-restarts N``, so torchrun's agent restarts only the ranks
 that lost one (they rejoin from a live group: parallel/replicas.py) while the other groups keep
 training. Each group writes into ``<run>/replica<G>`` (metrics, summary, final.safetensors,
 ft.jsonl: when it started, joined and which groups stepped with it). The environment names the
-store (SHARDWISE_FT_STORE) and the group (SHARDWISE_FT_GROUP). The launcher waits for every
+store (SHARDWISE_FT_STORE) and the group (SHARDWISE_FT_GROUP); on a CUDA host each group sees
+its own world / R GPUs (CUDA_VISIBLE_DEVICES: :func:`group_gpus`). The launcher waits for every
 group, prints one line per group that failed, and exits with the worst code; Ctrl-C / SIGTERM
 go to every group (SIGTERM, then SIGKILL after ``stopping.GRACE_SECONDS``); with
 ``--checkpoint-dir`` the groups agree on the stop in their next quorum (parallel/replicas.py), so
@@ -34,7 +35,7 @@ import time
 
 from shardwise.comm.quorum import serve
 from shardwise.config import Config, ConfigError
-from shardwise.launch.torchrun import _ranks_env, _StderrRelay, torchrun_command
+from shardwise.launch.torchrun import _ranks_env, _StderrRelay, gpu_count, torchrun_command
 from shardwise.parallel.replicas_checks import (ENV_GROUP, ENV_MAX_RESTARTS, ENV_RESTART,
                                                 ENV_STORE)
 from shardwise.run import stopping
@@ -44,12 +45,35 @@ def group_folder(run_dir: str, group: int) -> str:
     return os.path.join(run_dir, f"replica{group}")
 
 
+def group_gpus(cfg: Config, group: int, per: int) -> dict[str, str]:
+    """A CUDA run's group ``group`` sees its own ``per`` GPUs (CUDA_VISIBLE_DEVICES: the
+    launcher's visible devices ``group x per`` to ``(group + 1) x per - 1``): each group is a
+    torchrun of its own whose local ranks start at 0, so without this every group's rank r
+    would take GPU r, the groups doubling up on the first GPUs and leaving the rest idle
+    ({} for a CPU run, or where no GPU is visible)."""
+    if cfg.train.device == "cpu":
+        return {}
+    gpus = gpu_count()
+    if not gpus:
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else \
+        [str(i) for i in range(gpus)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[group * per:(group + 1) * per])}
+
+
 def check_rejoin(cfg: Config, world: int) -> None:
-    """``--ft-rejoin-nproc N`` with ``--checkpoint-dir``: a group restarted at N ranks resumes
-    the run's newest checkpoint (saved by a group of world / R ranks) before it takes the live
-    state, and a ``--resume`` of the run may read one a group of N ranks saved: both reshard,
-    so the layout must (ConfigError, one line, before launch)."""
+    """``--ft-rejoin-nproc N`` before launch (ConfigError, one line): on CUDA, N at most a
+    group's GPUs (:func:`group_gpus`); with ``--checkpoint-dir``, a group restarted at N
+    ranks resumes the run's newest checkpoint (saved by a group of world / R ranks) before it
+    takes the live state, and a ``--resume`` of the run may read one a group of N ranks
+    saved: both reshard, so the layout must."""
     n, r = cfg.parallel.ft_rejoin_nproc, cfg.parallel.ft_replicas
+    if n > world // r and group_gpus(cfg, 0, world // r):
+        raise ConfigError("parallel.ft_rejoin_nproc", n, f"a CUDA run gives each replica group "
+                          f"its own {world // r} GPU(s) (one per rank), and a group restarted "
+                          f"at {n} ranks would need {n}", f"use --ft-rejoin-nproc {world // r} "
+                          "or fewer, or --device cpu")
     if n <= 0 or not r or not cfg.train.checkpoint_dir or n == world // r:
         return
     from shardwise.checkpoint.canonical import why_not_reshardable
@@ -90,6 +114,7 @@ class _Group:
                  nproc: int):
         self.g, self.cfg, self.argv, self.run_dir, self.port = g, cfg, argv, run_dir, port
         self.restarts, self.relays = 0, []
+        self.gpus = group_gpus(cfg, g, nproc)    # a CUDA run: this group's own GPUs
         self._start(nproc)
 
     def _start(self, nproc: int) -> None:
@@ -100,7 +125,7 @@ class _Group:
                                             "--run-name", f"replica{self.g}"],
                                     0 if owned else restarts)
         env = {**_ranks_env(folder, restarts), ENV_GROUP: str(self.g),
-               ENV_STORE: f"127.0.0.1:{self.port}"}
+               ENV_STORE: f"127.0.0.1:{self.port}", **self.gpus}
         if owned:
             env.update({ENV_RESTART: str(self.restarts), ENV_MAX_RESTARTS: str(restarts)})
         self.proc = subprocess.Popen(self.cmd, env=env, start_new_session=True,
