@@ -313,7 +313,9 @@ class ReplicaGroups:
         layout-free state, built by every rank of this group, for a group of another size),
         the RNG and the fp16 loss scaler (its scale and clean-step count: every group scales
         alike)."""
-        strategy = self.component.layout_free_state() if whole else self.strategy.state_dict()
+        # (ZeRO: only the leader, who sends it, keeps the layout-free state it helped build)
+        strategy = self.component.layout_free_state(keep=self.sync_group.rank == 0) if whole \
+            else self.strategy.state_dict()
         return {"strategy": strategy, "whole": whole, "rng": torch.get_rng_state(),
                 "scaler": self.strategy.scaler.state_dict()}
 

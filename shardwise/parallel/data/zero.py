@@ -524,8 +524,8 @@ class ZeroStrategy(Strategy):
         any size)."""
         self._whole_sq = zero_resize.scatter_grads(self, wholes)
 
-    def layout_free_state(self) -> dict:
-        return zero_resize.layout_free_state(self)
+    def layout_free_state(self, keep: bool = True) -> dict:
+        return zero_resize.layout_free_state(self, keep)
 
     def load_layout_free_state(self, state: dict) -> None:
         zero_resize.load_layout_free_state(self, state)

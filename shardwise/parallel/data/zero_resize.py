@@ -138,12 +138,13 @@ def _whole_sq(zero, wholes: list[torch.Tensor]) -> torch.Tensor:
                     if zero.plan.counts(names[p])], zero.device)
 
 
-def layout_free_state(zero) -> dict:
+def layout_free_state(zero, keep: bool = True) -> dict:
     """This rank's piece of the training state by name (its tp slice and stage), whole over
     the shard group, for a group of any dp size (a collective over the shard group: every
-    rank calls it; the result is whole on each)."""
-    return {"model": zero_state.full_state_dict(zero, pieces=True),
-            "optimizer": zero_state.canonical_optimizer_state(zero, pieces=True),
+    rank calls it; the result is whole on each that ``keep``s it: the leader, who sends it;
+    the others take part in the gathers and hold one chunk at a time)."""
+    return {"model": zero_state.full_state_dict(zero, pieces=True, keep=keep),
+            "optimizer": zero_state.canonical_optimizer_state(zero, pieces=True, keep=keep),
             "buffers": {n: b.detach().cpu().clone() for n, b in zero.model.named_buffers()}}
 
 

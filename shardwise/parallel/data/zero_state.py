@@ -21,10 +21,12 @@ from __future__ import annotations
 import torch
 
 
-def full_state_dict(zero, pieces: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(zero, pieces: bool = False, keep: bool = True) -> dict[str, torch.Tensor]:
     """Every parameter by name, in fp32, gathered from the masters (a collective); frozen
     parameters, which every rank holds whole, as they are (fp32). ``pieces``: this rank's
-    tensor-parallel pieces, whole over the shard group only (no tp gather)."""
+    tensor-parallel pieces, whole over the shard group only (no tp gather); ``keep`` False
+    (with ``pieces``): take part in the gathers, keep nothing, return {} (a rank whose copy
+    nobody reads holds one chunk at a time, not the model)."""
     zero.store.drain()                  # disk offload: every write finished (or raised)
     names = {p: n for n, p in zero.model.named_parameters()}
     out = {}
@@ -35,7 +37,11 @@ def full_state_dict(zero, pieces: bool = False) -> dict[str, torch.Tensor]:
         zero._all_gather(full, c.master.detach().to(zero.device), async_op=False,
                          name="zero_state_ag")
         for p, view in zip(c.params, c.layout.views(full)):
-            out[names[p]] = view.detach().cpu().clone()
+            if keep:
+                out[names[p]] = view.detach().cpu().clone()
+        del full
+    if not keep:
+        return {}
     for n, p in zero.model.named_parameters():
         if n not in out:
             out[n] = p.detach().float().cpu().clone()
@@ -254,14 +260,16 @@ def _load_streamed(zero, state: dict, read_parts) -> None:
 
 
 # -- the layout-free optimizer state (shardwise/checkpoint/: reshard) ------------------------
-def canonical_optimizer_state(zero, pieces: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+def canonical_optimizer_state(zero, pieces: bool = False,
+                              keep: bool = True) -> dict[str, dict[str, torch.Tensor]]:
     """Per parameter (original name, whole tensors on CPU): the element-wise optimizer
     states gathered from every rank's shard views as the masters are in
     ``full_state_dict`` (one all-gather per chunk and state, meter ``zero_state_ag``; then
     the tp pieces), and the scalars (Adam's step) from the views. The state names are
     agreed over dp first (one object collective), since a rank may hold no view of a chunk.
     Memory: one whole chunk per state at a time on the device, the result on CPU.
-    ``pieces``: this rank's tensor-parallel pieces, whole over the shard group only."""
+    ``pieces``: this rank's tensor-parallel pieces, whole over the shard group only; ``keep``
+    False (with ``pieces``): take part in the gathers, keep nothing, return {}."""
     zero.store.drain()
     names = {p: n for n, p in zero.model.named_parameters()}
     mine = {}
@@ -291,7 +299,11 @@ def canonical_optimizer_state(zero, pieces: bool = False) -> dict[str, dict[str,
             full = torch.empty(c.layout.padded, dtype=torch.float32, device=zero.device)
             zero._all_gather(full, shard.to(zero.device), async_op=False, name="zero_state_ag")
             for p, v in zip(c.params, c.layout.views(full)):
-                out.setdefault(names[p], {})[key] = v.detach().cpu().clone()
+                if keep:
+                    out.setdefault(names[p], {})[key] = v.detach().cpu().clone()
+            del full, shard
+    if not keep:
+        return {}
     if zero.plan is not None and not pieces:    # tensor parallel: whole from the tp pieces
         for key, scalar in sorted(keys.items()):
             if scalar is None:
