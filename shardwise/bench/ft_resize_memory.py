@@ -30,12 +30,14 @@ import sys
 import tempfile
 import time
 
+from shardwise.config.names import Strategy
+
 MODEL = ["--n-layer", "8", "--n-embd", "768", "--n-head", "12", "--block-size", "128"]
 MiB = 2 ** 20
 
 
 def train_args(steps: int, out_dir: str, name: str, resize: bool) -> list[str]:
-    args = [sys.executable, "-m", "shardwise.cli", "train", *MODEL, "--strategy", "zero3",
+    args = [sys.executable, "-m", "shardwise.cli", "train", *MODEL, "--strategy", Strategy.ZERO3,
             "--dataset", "synthetic", "--batch-size", "12", "--steps", str(steps),
             "--eval-every", "0", "--device", "cpu", "--no-progress", "--log-every", "1",
             "--nproc-per-node", "4", "--ft-replicas", "2", "--collective-timeout", "120",
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                          scratch)
         print(f"{name}: {json.dumps(runs[name]['groups'])}", flush=True)
     from shardwise.bench.harness import gpt_bench_config, parameters
-    p = parameters(gpt_bench_config("zero3", model={"n_layer": 8, "n_embd": 768,
+    p = parameters(gpt_bench_config(Strategy.ZERO3, model={"n_layer": 8, "n_embd": 768,
                                                     "n_head": 12}))
     same = runs["same sizes"]["groups"][0]["peak_rss_per_rank"]
     back = runs["back at 1 rank"]["groups"][0]["peak_rss_per_rank"]
