@@ -9,7 +9,10 @@ into the buffer in place and the reduction needs no copy. Gradients are zeroed i
 ``optimizer.zero_grad()`` or ``model.zero_grad()``, both set_to_none by default) is put back:
 the hook copies a freshly allocated gradient into its view and re-attaches the view before the
 bucket counts it, and :meth:`GradBuckets.reattach` zeroes the view of a gradient that is None.
-So the buckets always hold every gradient, whatever the loop did to ``.grad``.
+So the buckets always hold every gradient, whatever the loop did to ``.grad``. Between steps the
+gradients are dropped the same way (:meth:`GradBuckets.clear` sets them to None): the next
+backward's fresh gradient is copied into its view once, instead of the buffers being zeroed and
+accumulated into in place.
 
 The buffers are allocated when the first pass starts (:meth:`GradBuckets.reattach`, which a
 strategy calls before each forward) or, for a backward that came without it, in the first hook
@@ -134,14 +137,16 @@ class GradBuckets:
         return hook
 
     @torch.no_grad()
-    def reattach(self) -> None:
+    def reattach(self, lazy: bool = False) -> None:
         """Put every parameter's ``.grad`` back on its view: a None gradient becomes a zero view
         (it got no gradient since it was cleared), a replaced one is copied in. The first
-        call allocates the buffers."""
+        call allocates the buffers. ``lazy`` (before a forward): a None gradient stays None,
+        so autograd hands the hook a fresh gradient to copy into the view (:meth:`clear`);
+        the view is zeroed only if no gradient comes (the next full reattach)."""
         self.allocate()
         for p, view in zip(self.params, self.views):
             g = p.grad
-            if g is view:
+            if g is view or (lazy and g is None):
                 continue
             if g is None:
                 view.zero_()
@@ -164,11 +169,15 @@ class GradBuckets:
         for b in self.buckets:
             b.pending = len(b.params)
 
-    def zero(self) -> None:
-        """Zero every gradient in place (the views stay attached to the buffers)."""
-        for b in self.buckets:
-            if b.buffer is not None:    # not yet allocated: no gradient to zero
-                b.buffer.zero_()
+    def clear(self) -> None:
+        """Drop every gradient: each ``.grad`` set to None, its view kept (stale until the next
+        backward). That backward's first gradient of a parameter is then autograd's own fresh
+        tensor, which the hook copies into the view: one pass over the gradient, where zeroing
+        the buffers and accumulating into them in place took three (a fill, then a read of
+        both and a write). A parameter that gets no gradient has its view zeroed by the
+        reattach before the reduction."""
+        for p in self.params:
+            p.grad = None
 
     def unready(self) -> list[Bucket]:
         """Buckets some of whose parameters got no gradient in this backward."""

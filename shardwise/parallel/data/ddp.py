@@ -39,10 +39,12 @@ them). Without ``find_unused`` such a parameter is reported by name (one line,
 parallel/data/checks.py UnusedParameters); with one replica (dp = 1) there is nothing to wait
 for, so it is left out of the step as in plain PyTorch and ``find_unused`` is not needed.
 
-A user's own loop may drive the optimizer itself. Its ``zero_grad`` (torch's default
-set_to_none=True) zeroes the buckets in place instead of dropping the ``.grad`` views; a
-``.grad`` set to None some other way (``model.zero_grad()``) is re-attached by the buckets
-(comm/buckets.py), so the next backward still lands in the buckets. Its ``step()`` carries a
+A user's own loop may drive the optimizer itself. Its ``zero_grad`` sets every ``.grad`` to
+None whatever ``set_to_none`` says, as ``step()`` does, and keeps the buckets: the next
+backward's gradients are copied into them as they come (one pass, cheaper than zeroing the
+buckets and accumulating into them; comm/buckets.py). A ``.grad`` set to None some other way
+(``model.zero_grad()``) is handled the same way, so the next backward still lands in the
+buckets. Its ``step()`` carries a
 step pre-hook (torch.optim's ``register_step_pre_hook``) that finishes the reduction first, so
 ``engine.optimizer.step()`` equals ``engine.step()`` but for zeroing the gradients.
 
@@ -118,7 +120,7 @@ class DDPStrategy(Strategy):
     def begin_pass(self) -> None:
         """Before a forward: re-attach dropped ``.grad`` views, count a new backward, take dp
         member 0's buffers. (A pipeline calls it once per pass; parallel/pipeline/driver.py.)"""
-        self.buckets.reattach()              # a .grad set to None since the last step
+        self.buckets.reattach(lazy=True)     # a replaced .grad copied in; None stays None
         self.restart_count()
         self.model_buffers.run(self.comm, 0, self.group, name="ddp_buffers")
 
@@ -231,17 +233,16 @@ class DDPStrategy(Strategy):
         self._synced = False    # a later backward (without zero_grad) accumulates, reduced again
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The optimizer's zero_grad under DDP: drop this step's gradients, keep the buckets
-        (``set_to_none`` is accepted and ignored: the views must stay)."""
+        """The optimizer's zero_grad under DDP: drop this step's gradients (``.grad`` None,
+        whatever ``set_to_none`` says), keep the buckets for the next backward to fill."""
         for bucket in self.buckets.buckets:
             if bucket.work is not None:   # a launched reduction still writes into the buffer
                 bucket.work.wait()
                 bucket.work = None
-        self.buckets.reattach()
         self._clear()
 
     def _clear(self) -> None:
-        self.buckets.zero()
+        self.buckets.clear()
         self.buckets.clear_used()
         self._synced = False
 

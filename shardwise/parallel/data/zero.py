@@ -271,7 +271,8 @@ class ZeroStrategy(Strategy):
         if self.stage == 1:
             c.grad_full = c.layout.new_flat(dtype=self.dtype, device=self.device)
             c.grad_shard = c.layout.shard(c.grad_full, self.group.rank)
-            for p, view in zip(c.params, c.layout.views(c.grad_full)):
+            c.extra["grad_views"] = dict(zip(c.params, c.layout.views(c.grad_full)))
+            for p, view in c.extra["grad_views"].items():
                 p.grad = view
         else:
             c.grad_shard = c.shard.new_zeros(c.shard.shape)
@@ -343,26 +344,42 @@ class ZeroStrategy(Strategy):
         c.extra.setdefault("got", set()).add(id(p))     # named when a chunk stays unready
         if self.stage >= 2:
             self._stage_grad(c, p)
+        else:
+            self._bucket_grad(c, p)
         c.pending -= 1
         if c.pending == 0:
             c.pending = c.trainable
             c.extra["readied"] = True
             self._chunk_ready(self._chunk_of[p])
 
+    @torch.no_grad()
+    def _bucket_grad(self, c: Chunk, p: nn.Parameter) -> None:
+        """Stage 1: ``p``'s gradient into its view of the bucket. Between steps the ``.grad``
+        views are dropped (_zero_grads), so a step's first gradient is autograd's own fresh
+        tensor, copied in once; later micro-batches accumulate into the view in place."""
+        view = c.extra["grad_views"][p]
+        if p.grad is not view:
+            view.copy_(p.grad)
+            p.grad = view
+
     def _stage_grad(self, c: Chunk, p: nn.Parameter) -> None:
         """Stages 2-3: make sure ``p``'s gradient lives in its chunk's staging buffer."""
         views = c.extra.get("views")
         if views is None:                  # the chunk's first gradient in this backward
             self._make_room()
-            staging = c.layout.new_flat(dtype=self.dtype, device=self.device)
+            # not zeroed: every parameter's first gradient is copied into its view (below, as
+            # its hook runs), so only the padding needs zeros (one pass, not a fill and an
+            # in-place add)
+            staging = torch.empty(c.layout.padded, dtype=self.dtype, device=self.device)
+            staging[c.layout.numel:].zero_()
             self.memory.alloc("staging", storage_bytes(staging))
             views = dict(zip(c.params, c.layout.views(staging)))
             for q, view in views.items():
-                if q.grad is not None:
+                if q is not p and q.grad is not None:   # from before this backward
                     view.copy_(q.grad)
-                q.grad = view              # autograd adds the rest in place
+                    q.grad = view          # autograd adds to it in place
             c.extra.update(staging=staging, views=views)
-        elif p.grad.data_ptr() != views[p].data_ptr():   # autograd replaced the view
+        if p.grad.data_ptr() != views[p].data_ptr():   # autograd's own fresh gradient
             views[p].copy_(p.grad)
             p.grad = views[p]
 
@@ -705,12 +722,15 @@ class ZeroStrategy(Strategy):
         return self.collectives.all_gather(out, inp, async_op, name or self._ag_name)
 
     def _zero_grads(self) -> None:
-        """Stage 1 zeroes its buckets; stages 2-3 free the gradient shards until the next
-        backward fills them (so they do not sit beside the activations at the start of
-        backward), unless they live in the store, out of RAM between uses."""
+        """Stage 1 drops its ``.grad`` views (the buckets stay; the next backward copies its
+        fresh gradients in: one pass, where zeroing the buckets and accumulating into them in
+        place took three); stages 2-3 free the gradient shards until the next backward fills
+        them (so they do not sit beside the activations at the start of backward), unless they
+        live in the store, out of RAM between uses."""
         if self.stage == 1:
             for c in self.chunks:
-                c.grad_full.zero_()
+                for p in c.params:
+                    p.grad = None
         elif not self.grads_offloaded:
             for c in self.chunks:
                 free_storage(c.grad_shard)
