@@ -1,7 +1,7 @@
 """The planner against this machine: predicted vs measured memory per rank and step time.
 
     python -m shardwise.bench.validate_planner [--steps 10] [--reps 3] [--only ddp,zero2]
-    python -m shardwise.bench.validate_planner --held-out [--runs 3] [--steps 4] [--save]
+    python -m shardwise.bench.validate_planner --held-out [--runs 3] [--steps 8] [--save]
 
 ``--held-out``: calibrated on this benchmark GPT only, validated on models it never saw
 (shardwise/bench/validate_planner_heldout.py).
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     from shardwise.parallel import available
     ap = argparse.ArgumentParser(prog="python -m shardwise.bench.validate_planner")
     ap.add_argument("--steps", type=int, default=None,
-                    help="training steps per run (10; held-out: 4)")
+                    help="training steps per run (10; held-out: 8)")
     ap.add_argument("--held-out", action="store_true",
                     help="validate on models the calibration never saw (planner_heldout.*)")
     ap.add_argument("--runs", type=int, default=3, help="held-out: consecutive runs")
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)           # calibrate with what each forked rank gets
     if args.held_out:
         from shardwise.bench import validate_planner_heldout
-        args.steps = args.steps or 4
+        args.steps = args.steps or 8
         return validate_planner_heldout.main(args)
     args.steps = args.steps or 10
     names = [n for n in (args.only.split(",") if args.only else CASES) if n in available()]

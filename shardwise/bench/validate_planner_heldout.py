@@ -1,7 +1,7 @@
 """The planner on held-out work: calibrated on the benchmark GPT only, checked on models it never
 saw (issue 35 item 5).
 
-    python -m shardwise.bench.validate_planner --held-out [--runs 3] [--steps 4] [--save]
+    python -m shardwise.bench.validate_planner --held-out [--runs 3] [--steps 8] [--save]
 
 Calibration: ``shardwise.launch.auto.calibrate`` on the benchmark GPT of
 ``validate_planner`` (4 x 256, seq 128, batch 8) and nothing else; it is never refitted on the
@@ -23,8 +23,9 @@ Goals: step within 25%, every category within 10% (or ``FLOOR`` bytes), in every
 activations are reported, not graded (the pipeline's ledger does not measure them; the planner
 counts GPT-2's activations, planner/memory.py).
 
-Time: about 15-25 minutes on this 2-core machine (3 models x 8 strategies x 3 runs, 4 steps
-each, plus 10 calibrations of worlds 1, 2 and 4). Writes planner_heldout.{json,md}.
+Time: about 15-25 minutes on this 2-core machine (3 models x 8 strategies x 3 runs, 8 steps
+each, the last six timed, plus 10 calibrations of worlds 1, 2 and 4). With 4 steps (two timed)
+ZeRO-3 and the four-rank worlds still read 5-15% slower than in longer runs of the same case. Writes planner_heldout.{json,md}.
 """
 from __future__ import annotations
 
