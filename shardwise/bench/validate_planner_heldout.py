@@ -24,8 +24,8 @@ activations are reported, not graded (the pipeline's ledger does not measure the
 counts GPT-2's activations, planner/memory.py).
 
 Time: about 15-25 minutes on this 2-core machine (3 models x 8 strategies x 3 runs, 8 steps
-each, the last six timed, plus 10 calibrations of worlds 1, 2 and 4). With 4 steps (two timed)
-ZeRO-3 and the four-rank worlds still read 5-15% slower than in longer runs of the same case. Writes planner_heldout.{json,md}.
+each, the last six timed, plus 10 calibrations of worlds 1, 2 and 4). Writes
+planner_heldout.{json,md}.
 """
 from __future__ import annotations
 

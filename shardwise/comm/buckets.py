@@ -3,16 +3,15 @@
 Parameters are grouped into buckets of about ``bucket_bytes`` in REVERSE order of registration:
 backward produces the last layers' gradients first, so the first bucket fills first and its
 reduction can start while backward is still computing earlier layers (overlap). Each trainable
-parameter's ``.grad`` is set to a view into its bucket's flat buffer, so autograd accumulates
-into the buffer in place and the reduction needs no copy. Gradients are zeroed in place with
-:meth:`GradBuckets.zero`; a ``.grad`` that was set to None or replaced anyway (a user's
-``optimizer.zero_grad()`` or ``model.zero_grad()``, both set_to_none by default) is put back:
-the hook copies a freshly allocated gradient into its view and re-attaches the view before the
-bucket counts it, and :meth:`GradBuckets.reattach` zeroes the view of a gradient that is None.
-So the buckets always hold every gradient, whatever the loop did to ``.grad``. Between steps the
-gradients are dropped the same way (:meth:`GradBuckets.clear` sets them to None): the next
-backward's fresh gradient is copied into its view once, instead of the buffers being zeroed and
-accumulated into in place.
+parameter's gradient lives in a view into its bucket's flat buffer, so the reduction needs no
+copy. Between steps the gradients are dropped (:meth:`GradBuckets.clear` sets every ``.grad``
+to None; the buffers stay), and so is any ``.grad`` a loop set to None or replaced (a user's
+``optimizer.zero_grad()`` or ``model.zero_grad()``): the hook copies autograd's fresh gradient
+into its view and makes the view ``.grad`` before the bucket counts it (one pass, where zeroing
+the buffers and adding into them in place took three), later micro-batches add into the view
+in place, and :meth:`GradBuckets.reattach` zeroes the view of a gradient that is still None
+when the reduction starts. So the buckets always hold every gradient, whatever the loop did to
+``.grad``.
 
 The buffers are allocated when the first pass starts (:meth:`GradBuckets.reattach`, which a
 strategy calls before each forward) or, for a backward that came without it, in the first hook

@@ -44,19 +44,19 @@ BatchNorm running statistics) are broadcast from dp rank 0 after every step: the
 0's shard statistics, as torch DDP's ``broadcast_buffers`` does.
 
 Gradients. Stage 1 keeps whole gradients in one flat buffer per bucket: a step's first gradient
-of each parameter, autograd's own fresh tensor, is copied into its view of the bucket, which then
-becomes ``p.grad`` (later micro-batches accumulate into it in place); after the step the views are
-dropped, not zeroed, so the next copy is the only pass over them. When a bucket's last gradient arrives
-(post-accumulate-grad hooks; during backward with ``overlap``, after it without) its
-reduce-scatter starts; inside ``no_sync`` nothing is sent and gradients accumulate. Stages 2-3
-give a chunk a staging buffer (not zeroed: only its padding) on its first gradient in a
-backward; each parameter's gradient is copied into its view of it as it comes, and the view
-becomes its ``.grad`` and, when its last gradient
-arrives, reduce-scatter it into the 1/N gradient shard and free it as soon as that finishes. At
-most ``MAX_GRAD_BUFFERS`` (2) whole-size buffers live at once (one filling, one reducing):
-opening a third waits for the oldest reduction. Inside ``no_sync`` stage 2 still reduce-scatters
-each micro-step, into the accumulating shard; with ``overlap`` off the reduce-scatter blocks,
-but still runs when the bucket is ready. Gradient shards live from their reduce-scatter to the
+of each parameter, autograd's own fresh tensor, is copied into its view of the bucket, which
+then becomes ``p.grad`` (later micro-batches accumulate into it in place); after the step the
+views are dropped, not zeroed, so the next copy is the only pass over them. When a bucket's last
+gradient arrives (post-accumulate-grad hooks; during backward with ``overlap``, after it
+without) its reduce-scatter starts; inside ``no_sync`` nothing is sent and gradients accumulate.
+Stages 2-3 give a chunk a staging buffer (not zeroed: only its padding) on its first gradient in
+a backward; each parameter's gradient is copied into its view of it as it comes, and the view
+becomes its ``.grad``. When its last gradient arrives, they reduce-scatter it into the 1/N
+gradient shard and free it as soon as that finishes. At most ``MAX_GRAD_BUFFERS`` (2) whole-size
+buffers live at once (one filling, one reducing): opening a third waits for the oldest
+reduction. Inside ``no_sync`` stage 2 still reduce-scatters each micro-step, into the
+accumulating shard; with ``overlap`` off the reduce-scatter blocks, but still runs when the
+bucket is ready. Gradient shards live from their reduce-scatter to the
 step. Buckets launch in index order on every rank.
 
 The step, in three phases (nanoGPT's shape; one rank runs it unchanged): (1) wait for the
@@ -268,9 +268,10 @@ class ZeroStrategy(Strategy):
                      trainable=len(params), pending=len(params))
 
     def _init_grads(self, c: Chunk) -> None:
-        """Stage 1: a whole gradient bucket, ``p.grad`` views of it (dropped after each step and
-        copied into by the next backward: _bucket_grad) and the shard a slice of it. Stage 2: a gradient shard, its storage freed
-        (alive from its reduce-scatter to the step)."""
+        """Stage 1: a whole gradient bucket, ``p.grad`` views of it (dropped after each step
+        and copied into by the next backward: _bucket_grad) and the shard a slice of it.
+        Stage 2: a gradient shard, its storage freed (alive from its reduce-scatter to the
+        step)."""
         if self.stage == 1:
             c.grad_full = c.layout.new_flat(dtype=self.dtype, device=self.device)
             c.grad_shard = c.layout.shard(c.grad_full, self.group.rank)
