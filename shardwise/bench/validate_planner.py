@@ -139,6 +139,11 @@ class Calibrations:
         self._after = {w: self._take(cfg, w) for w in worlds}
         return self._after
 
+    def forget(self) -> None:
+        """Something ran since the last calibration (a run that failed): the next run takes a
+        calibration of its own before it."""
+        self._after = {}
+
     def latest(self) -> dict:
         return {w: cals[-1] for w, cals in self.taken.items()}
 

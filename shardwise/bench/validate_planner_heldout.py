@@ -6,8 +6,10 @@ saw (issue 35 item 5).
 Calibration: ``shardwise.launch.auto.calibrate`` on the benchmark GPT of
 ``validate_planner`` (4 x 256, seq 128, batch 8) and nothing else; it is never refitted on the
 models below. The machine's speed drifts within a minute here (``validate_planner.Calibrations``),
-so every model's block of runs sits between two such calibrations of each world size, and a
-run is predicted from the median of the two around it.
+so every run sits between two such calibrations of its world size (the one after a run is the
+next run's before when that run has the same world), and is predicted from the median of the
+two around it. (Until the run of 2026-12-07 a model's whole block of eight runs, minutes long,
+sat between one pair, and a calibration taken in a slow spell made the block read slow.)
 
 Held out (``MODELS``): Hugging Face Llama from a config (8 layers x 512, 8 heads, SwiGLU 1376,
 RMSNorm, rotary, untied head, the byte vocabulary: 25.6M parameters; built by
@@ -23,8 +25,8 @@ Goals: step within 25%, every category within 10% (or ``FLOOR`` bytes), in every
 activations are reported, not graded (the pipeline's ledger does not measure them; the planner
 counts GPT-2's activations, planner/memory.py).
 
-Time: about 15-25 minutes on this 2-core machine (3 models x 8 strategies x 3 runs, 8 steps
-each, the last six timed, plus 10 calibrations of worlds 1, 2 and 4). Writes
+Time: about 20-30 minutes on this 2-core machine (3 models x 8 strategies x 3 runs, 8 steps
+each, the last six timed, plus about 100 calibrations of worlds 1, 2 and 4, 5-7 s each). Writes
 planner_heldout.{json,md}.
 """
 from __future__ import annotations
@@ -124,27 +126,28 @@ def measure(cfg, world: int, role: str) -> tuple[dict, float]:
 
 
 def run_all(models, names, runs: int, steps: int, say=print) -> tuple[list[dict], Calibrations]:
-    """Every (model, strategy) ``runs`` times, round by round; each model's block of runs
-    between two calibrations (on the benchmark GPT) of each world it uses."""
+    """Every (model, strategy) ``runs`` times, round by round; each run between two
+    calibrations (on the benchmark GPT) of its world, the one after a run serving as the next
+    run's before when that run has the same world (``Calibrations``)."""
     from shardwise.bench.harness import gpt_bench_config
     calibrations = Calibrations()
+    bench = gpt_bench_config(Strategy.SINGLE)
     rows = {(m, n): {"model": m, "strategy": n, "runs": []} for m in models for n in names}
     for r in range(runs):
         for m in models:
-            worlds = sorted({case(n, 8)[0] for n in names})
-            bench = gpt_bench_config(Strategy.SINGLE)
-            before = calibrations.before(bench, worlds)
-            done = []
             for n in names:
+                world = case(n, MODELS[m][1]["batch_size"])[0]
+                before = calibrations.before(bench, [world])[world]
                 try:
-                    done.append((n, _run_fn(m, n, steps)))
+                    fn = _run_fn(m, n, steps)
                 except Exception as exc:  # record it, keep going
                     text = str(exc).strip()
                     rows[(m, n)]["error"] = f"{type(exc).__name__}: " + (
                         text.splitlines()[-1] if text else "")
-            after = calibrations.after(bench, worlds)
-            for n, fn in done:
-                run = fn({w: [before[w], after[w]] for w in worlds})
+                    calibrations.forget()
+                    continue
+                after = calibrations.after(bench, [world])[world]
+                run = fn({world: [before, after]})
                 rows[(m, n)]["runs"].append(run)
                 say(f"run {r + 1} {m} {n}: step {_pct(run['step_gap'])}, memory "
                     f"{'ok' if run['memory_ok'] else 'off'}")
@@ -222,9 +225,10 @@ def markdown(doc: dict) -> str:
                    f"{'yes' if r['step_ok'] else 'no'} | {'yes' if r['memory_ok'] else 'no'} |")
     spread = {int(w): v for w, v in doc["calibration_spread"].items()}
     load = doc["load"]
-    out += ["", f"{doc['runs']} consecutive runs of {doc['steps']} steps each; every model's "
-            "block of runs between two calibrations on the benchmark GPT (4 x 256, seq 128, "
-            "batch 8), "
+    around = ("every run between two calibrations of its world" if doc.get("per_run")
+              else "every model's block of runs between two calibrations")
+    out += ["", f"{doc['runs']} consecutive runs of {doc['steps']} steps each; {around} on the "
+            "benchmark GPT (4 x 256, seq 128, batch 8), "
             + "; ".join(f"world {w}: GPT {min(v) / 1e9:.1f}-{max(v) / 1e9:.1f} GFLOP/s per rank "
                         f"over {len(v)} calibrations" for w, v in sorted(spread.items()))
             + f"; total {doc['seconds'] / 60:.1f} min; load average {load[0]:.1f} / "
@@ -255,6 +259,7 @@ def main(args) -> int:
     t0 = time.perf_counter()
     rows, calibrations = run_all(models, names, args.runs, args.steps)
     meta = {"runs": args.runs, "steps": args.steps, "seconds": time.perf_counter() - t0,
+            "per_run": True,
             "load": os.getloadavg(), "models": {m: MODELS[m] for m in models},
             "time_goal": TIME_GOAL, "memory_goal": MEM_GOAL}
     doc = {**meta, "cpus": os.cpu_count(), "rows": rows, "summary": summary(rows),

@@ -1,5 +1,5 @@
 """The held-out validation's code path end to end on a tiny model (shardwise/bench/
-validate_planner_heldout.py): two rounds of two strategies, calibrations replaced by a fixed
+validate_planner_heldout.py): two rounds of three strategies, calibrations replaced by a fixed
 one (a real calibration forks worlds for seconds; its figures only move the step prediction),
 and the JSON carries every field docs/planner.md's generated block and inline values read."""
 import json
@@ -27,13 +27,17 @@ def test_held_out_runs_end_to_end_and_writes_what_the_docs_read(monkeypatch, tmp
     monkeypatch.setattr(vh, "MODELS", TINY)
     monkeypatch.setattr(validate_planner.Calibrations, "_take", _fake_take)
     monkeypatch.setattr(validate_planner, "RESULTS", str(tmp_path))      # --save writes here
-    argv = ["--held-out", "--runs", "2", "--steps", "3", "--only", "single,zero2", "--save"]
+    argv = ["--held-out", "--runs", "2", "--steps", "3", "--only", "single,ddp,zero2", "--save"]
     assert validate_planner.main(argv) == 0
     doc = json.load(open(os.path.join(tmp_path, "planner_heldout.json")))
     assert {"rows", "summary", "runs", "steps", "seconds", "load", "cpus", "machine",
             "calibration_spread"} <= set(doc)
     assert {"commit", "dirty", "date"} <= set(doc["machine"])
-    assert doc["summary"]["cases"] == 2 and doc["summary"]["completed"] == 2, doc["summary"]
+    # every run between two calibrations of its own world, a round taking single (world 1:
+    # before, after), ddp (world 2: before, after) and zero2 (its before is ddp's after)
+    assert doc["per_run"] and {w: len(c) for w, c in doc["calibration_spread"].items()} == \
+        {"1": 4, "2": 6}, doc["calibration_spread"]
+    assert doc["summary"]["cases"] == 3 and doc["summary"]["completed"] == 3, doc["summary"]
     for row in doc["rows"]:
         assert len(row["runs"]) == 2 and len(row["step_gaps"]) == 2
         for run in row["runs"]:
@@ -41,4 +45,4 @@ def test_held_out_runs_end_to_end_and_writes_what_the_docs_read(monkeypatch, tmp
             # the planner's memory model is exact for these layouts (calibration-free)
             assert run["memory_ok"], (row["strategy"], run["memory_gap"])
     table = open(os.path.join(tmp_path, "planner_heldout.md")).read()
-    assert table == vh.markdown(doc) and table.count("| tiny |") == 2
+    assert table == vh.markdown(doc) and table.count("| tiny |") == 3
