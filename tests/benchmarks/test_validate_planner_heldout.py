@@ -46,3 +46,30 @@ def test_held_out_runs_end_to_end_and_writes_what_the_docs_read(monkeypatch, tmp
             assert run["memory_ok"], (row["strategy"], run["memory_gap"])
     table = open(os.path.join(tmp_path, "planner_heldout.md")).read()
     assert table == vh.markdown(doc) and table.count("| tiny |") == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_third_calibration_where_two_disagree(monkeypatch, tmp_path):
+    """World 2's calibrations alternate between two rates 50% apart: every run then takes a
+    third after the two around it and is predicted from the median of the three."""
+    rates = iter([2e10, 1e10] * 10)
+
+    def take(self, cfg, world):
+        rate = next(rates)
+        rank = autoplan.Compute(1, rate, rate, 1e-3, 5e9)
+        cal = autoplan.Calibration("cpu", world, rank, rank, 1e9, 2e-4, 16 * 2**30, 0.0, 2e-3,
+                                   2e9)
+        self.taken.setdefault(world, []).append(cal)
+        return cal
+    monkeypatch.setattr(vh, "MODELS", TINY)
+    monkeypatch.setattr(validate_planner.Calibrations, "_take", take)
+    monkeypatch.setattr(validate_planner, "RESULTS", str(tmp_path))
+    argv = ["--held-out", "--runs", "2", "--steps", "3", "--only", "ddp", "--save"]
+    assert validate_planner.main(argv) == 0
+    doc = json.load(open(os.path.join(tmp_path, "planner_heldout.json")))
+    # round 1: 2e10 before, 1e10 after (disagree), 2e10 third; round 2: that third is the
+    # before, 1e10 after, 2e10 third
+    assert doc["calibration_spread"]["2"] == [2e10, 1e10, 2e10, 1e10, 2e10]
+    (row,) = doc["rows"]
+    assert [r["calibrations"] for r in row["runs"]] == [3, 3]
+    assert "three where two differ by more than 20%" in vh.markdown(doc)
