@@ -29,6 +29,8 @@ and KIND is one of:
     offload-row FILE        the ZeRO-Infinity row: throughput, peak RSS fallen vs bytes offloaded
     planner-heldout FILE    planner_heldout.json: the held-out models, run by run, and what
                             missed its goal
+    allreduce-sizes FILE    allreduce-sizes.json: the allreduce against its size, measured and
+                            as the calibration's fits predict it
 
 A measured figure inside a sentence is an inline value, one number from one JSON file:
 
@@ -266,6 +268,13 @@ def planner_heldout(path: str) -> str:
     return vh.markdown(doc) + "\n" + "\n".join(missed) + "\n\n" + provenance(path)
 
 
+def allreduce_sizes(path: str) -> str:
+    """allreduce-sizes.json: each world's allreduce times against size and both fits'
+    predictions (the benchmark's own table), and where it ran."""
+    from shardwise.bench import allreduce_sizes as bench
+    return bench.markdown(_load(path)) + "\n" + provenance(path)
+
+
 def cli_reference() -> str:
     """Each command's usage and options, as ``--help`` prints them (one source)."""
     from shardwise import cli
@@ -290,7 +299,8 @@ KINDS = {"bench-table": bench_table, "bench-provenance": bench_provenance,
          "cli-reference": cli_reference, "bench-rows": bench_rows, "json-table": json_table,
          "ps-rows": ps_rows, "bubble": bubble, "planner-steps": planner_steps,
          "planner-categories": planner_categories,
-         "planner-heldout": planner_heldout, "offload-row": offload_row}
+         "planner-heldout": planner_heldout, "offload-row": offload_row,
+         "allreduce-sizes": allreduce_sizes}
 
 
 VALUE = re.compile(r"(<!-- value: (?P<spec>[^>]*?) -->)(?P<body>[^<\n]*)(<!-- /value -->)")

@@ -244,7 +244,7 @@ def markdown(doc: dict) -> str:
     around = ("every model's block of runs between two calibrations" if not doc.get("per_run")
               else "every run between two calibrations of its world" if "spread" not in doc
               else f"every run between two calibrations of its world (three where two differ "
-                   f"by more than {doc['spread']:.0%})")
+                   f"by more than {doc['spread']:.0%}: {_thirds(doc)})")
     out += ["", f"{doc['runs']} consecutive runs of {doc['steps']} steps each; {around} on the "
             "benchmark GPT (4 x 256, seq 128, batch 8), "
             + "; ".join(f"world {w}: GPT {min(v) / 1e9:.1f}-{max(v) / 1e9:.1f} GFLOP/s per rank "
@@ -253,6 +253,11 @@ def markdown(doc: dict) -> str:
             f"{load[1]:.1f} / {load[2]:.1f} on {doc.get('cpus', '?')} cores (shared: times "
             "are noisy)."]
     return "\n".join(out) + "\n"
+
+
+def _thirds(doc: dict) -> str:
+    runs = [x for r in doc["rows"] for x in r["runs"]]
+    return f"{sum(x.get('calibrations', 2) == 3 for x in runs)} of {len(runs)} runs"
 
 
 def summary(rows: list[dict]) -> dict:

@@ -72,4 +72,4 @@ def test_a_third_calibration_where_two_disagree(monkeypatch, tmp_path):
     assert doc["calibration_spread"]["2"] == [2e10, 1e10, 2e10, 1e10, 2e10]
     (row,) = doc["rows"]
     assert [r["calibrations"] for r in row["runs"]] == [3, 3]
-    assert "three where two differ by more than 20%" in vh.markdown(doc)
+    assert "three where two differ by more than 20%: 2 of 2 runs" in vh.markdown(doc)
