@@ -6,9 +6,8 @@ In a forked world of each size, waiting as training will (``runtime.spins``: ran
 each has a core, else block), ``Comm.all_reduce`` (gloo) and data parallelism's ``Reducer``
 (shared memory where it applies) each time 1 KiB, 1, 4, 16, 32 and 64 MiB (the slowest rank's
 median). Two fits of the ring's alpha-beta model ``2 (N-1) alpha + 2 (N-1)/N K / bw`` are then
-graded on every size: the calibration's (``calibrate_links._bus_bw``: latency from 1 KiB,
-bandwidth from the slope between 4 and 32 MiB) and the line through 1 KiB and 4 MiB it used
-before 2026-12-07. Writes allreduce-sizes.{json,md} (``--save``: into shardwise/bench/results/).
+graded on every size: the calibration's (``calibrate_links._bus_bw``: the line through 1 KiB
+and 32 MiB) and the line through 1 KiB and 4 MiB it used before 2026-12-07. Writes allreduce-sizes.{json,md} (``--save``: into shardwise/bench/results/).
 About a minute here.
 """
 from __future__ import annotations
@@ -39,11 +38,11 @@ def _probe(rank: int, world: int, sizes) -> dict:
     comm = Comm(spin=spins("auto", device, world))
     group = Mesh.build(1, world, 1).world
     reducer = Reducer(comm, group, "auto", device)
-    out = {"gloo": {}, "dp": {}}
+    out = {"gloo": {}, "reducer": {}}
     for numel in sizes:
         t = torch.ones(numel)
         for kind, reduce in (("gloo", lambda: comm.all_reduce(t, group)),
-                             ("dp", lambda: reducer.all_reduce(t, False, "allreduce-sizes"))):
+                             ("reducer", lambda: reducer.all_reduce(t, False, "allreduce-sizes"))):
             reduce()                                    # warm-up
             times = []
             for _ in range(_reps(numel)):
@@ -78,9 +77,9 @@ def measure(world: int, sizes=None) -> dict:
     ranks = run_world(_probe, world, sizes, timeout=600)
     out = {"world": world, "spins": ranks[0]["spins"],
            "shared_memory": ranks[0]["shared_memory"], "kinds": {}}
-    for kind in ("gloo", "dp"):
+    for kind in ("gloo", "reducer"):
         slowest = {n: max(r[kind][n] for r in ranks) for n in sizes}
-        fits = {"calibration": _bus_bw([{k: slowest[k] for k in (SMALL, LARGE, XLARGE)}], world),
+        fits = {"calibration": _bus_bw([{k: slowest[k] for k in (SMALL, XLARGE)}], world),
                 "line_1k_4m": _line(slowest, world)}
         rows = []
         for n in sizes:

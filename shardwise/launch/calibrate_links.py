@@ -2,18 +2,21 @@
 
 A forked gloo world of the local process count (``shardwise.launch.world.run_world``) times:
 
-- ``Comm.all_reduce`` of 1 KiB, 4 MiB and 32 MiB (SMALL, LARGE, XLARGE), fitted to the ring's
-  alpha-beta model ``2 (N-1) alpha + 2 (N-1)/N K / bw``: ``bw`` is the bus bandwidth
+- ``Comm.all_reduce`` of 1 KiB and 32 MiB (SMALL, XLARGE), fitted to the ring's alpha-beta
+  model ``2 (N-1) alpha + 2 (N-1)/N K / bw`` through both points: ``bw`` is the bus bandwidth
   (``intra_bw``, what reduce-scatter, all-gather, tensor parallelism's allreduces and the
-  parameter server get) from the slope between 4 and 32 MiB, ``alpha`` the latency per ring
-  step from 1 KiB. The slope, not the 1 KiB-to-4 MiB line: where ranks block and share cores
-  (4 ranks on 2 cores here) 1 KiB already takes 5 ms of wake-ups that a large message does not
-  pay again per ring step, and that line read 2.0 GB/s where 16 and 64 MiB ran at 0.8-0.9
-  (ZeRO's and DDP's buckets are tens of MiB: 3d's were priced at half their time). Where ranks
-  poll, both lines agree (1.4-1.6 GB/s at 4-64 MiB, world 2);
+  parameter server get), ``alpha`` the latency per ring step (1 KiB over its ring steps). Not
+  1 KiB and 4 MiB, as until 2026-12-07: where ranks block and share cores (4 ranks on 2 cores
+  here) 1 KiB already takes 5-7 ms of wake-ups, as long as 4 MiB, and that line's bandwidth
+  came out twice what tens of MiB get, or unbounded (ZeRO's and DDP's buckets are tens of MiB:
+  3d's were priced at half their time). Nor the slope between 4 and 32 MiB (used for one day):
+  a 4 MiB median above the 32 MiB one, which this machine's noise makes happen, left it
+  unbounded too. 32 MiB takes ten times the 1 KiB latency even there, so the line through
+  them is always defined (``python -m shardwise.bench.allreduce_sizes`` grades the fit on
+  1 KiB to 64 MiB);
 - the all-reduce data parallelism runs (``comm.reducer.Reducer`` with ``parallel.allreduce``):
   where that takes the same-host shared-memory path (comm/shm.py, the default on one x86 CPU
-  host with polling ranks), the same sizes through it give its own bus bandwidth
+  host with polling ranks), the same two sizes through it give its own bus bandwidth
   (``Hardware.allreduce_bw``, about twice gloo's here); 0 where it does not apply;
 - then each rank computes for a few milliseconds and allreduces 1 MiB (MID), twenty times: what
   that costs beyond the compute alone and the alpha-beta time of 1 MiB is
@@ -39,8 +42,8 @@ import torch
 
 SMALL, MID, LARGE, XLARGE = 256, 1 << 18, 1 << 20, 1 << 23
 """Allreduce probe sizes in fp32 elements: 1 KiB (latency), 1 MiB (after compute: a layer's
-activations, as tensor parallelism reduces them), 4 and 32 MiB (bandwidth: the slope between
-them)."""
+activations, as tensor parallelism reduces them) and 32 MiB (bandwidth). 4 MiB (LARGE) is the
+old fit's second point, which bench/allreduce_sizes.py still grades."""
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,10 @@ class Links:
     """The planner's name of the link: ``nvlink`` or ``pcie`` (GPUs), empty for CPU ranks."""
 
 
-def _timed_sizes(reduce, reps: tuple[int, int, int], barrier) -> dict:
-    """Median seconds of ``reduce(t)`` for SMALL, LARGE and XLARGE fp32 elements, after a
-    warm-up."""
+def _timed_sizes(reduce, reps: tuple[int, int], barrier) -> dict:
+    """Median seconds of ``reduce(t)`` for SMALL and XLARGE fp32 elements, after a warm-up."""
     out = {}
-    for numel, n in zip((SMALL, LARGE, XLARGE), reps):
+    for numel, n in zip((SMALL, XLARGE), reps):
         t = torch.ones(numel)
         reduce(t)                            # warm-up (connections, buffers, shared pages)
         times = []
@@ -80,7 +82,7 @@ def _timed_sizes(reduce, reps: tuple[int, int, int], barrier) -> dict:
     return out
 
 
-def _probe(rank: int, world: int, reps: tuple[int, int, int], cfg=None, threads: int = 1,
+def _probe(rank: int, world: int, reps: tuple[int, int], cfg=None, threads: int = 1,
            compute=None) -> dict:
     """One forked rank: the backend's and data parallelism's allreduce at both sizes, the cost
     after compute, and (with ``cfg``) this rank's ``compute(cfg, device, threads, agree)``
@@ -148,13 +150,12 @@ def _after_compute(comm, group, reps: int = 20) -> float:
 
 
 def _bus_bw(times: list[dict], world: int) -> tuple[float, float]:
-    """(bus bandwidth, seconds per ring step) from the slowest rank's times: the bandwidth from
-    the slope between LARGE and XLARGE, the latency from SMALL (module docstring)."""
+    """(bus bandwidth, seconds per ring step) of the line through the slowest rank's SMALL and
+    XLARGE times (module docstring)."""
     small = max(r[SMALL] for r in times)
-    large = max(r[LARGE] for r in times)
     xlarge = max(r[XLARGE] for r in times)
     steps = 2 * (world - 1)
-    return steps / world * (XLARGE - LARGE) * 4 / max(xlarge - large, 1e-9), small / steps
+    return steps / world * (XLARGE - SMALL) * 4 / max(xlarge - small, 1e-9), small / steps
 
 
 def measure_links(world: int, cfg=None, threads: int = 1, compute=None) -> Links:
@@ -164,7 +165,7 @@ def measure_links(world: int, cfg=None, threads: int = 1, compute=None) -> Links
     from shardwise.launch.world import run_world
     if world < 2:
         return Links()
-    per_rank = run_world(_probe, world, (30, 10, 5), cfg, threads, compute, timeout=180)
+    per_rank = run_world(_probe, world, (30, 5), cfg, threads, compute, timeout=180)
     bw, alpha = _bus_bw([r["native"] for r in per_rank], world)
     shared = [r["shared"] for r in per_rank if "shared" in r]
     shared_bw = _bus_bw(shared, world)[0] if len(shared) == world else 0.0
