@@ -7,8 +7,8 @@ each has a core, else block), ``Comm.all_reduce`` (gloo) and data parallelism's 
 (shared memory where it applies) each time 1 KiB, 1, 4, 16, 32 and 64 MiB (the slowest rank's
 median). Two fits of the ring's alpha-beta model ``2 (N-1) alpha + 2 (N-1)/N K / bw`` are then
 graded on every size: the calibration's (``calibrate_links._bus_bw``: the line through 1 KiB
-and 32 MiB) and the line through 1 KiB and 4 MiB it used before 2026-12-07. Writes allreduce-sizes.{json,md} (``--save``: into shardwise/bench/results/).
-About a minute here.
+and 32 MiB) and the line through 1 KiB and 4 MiB it used before 2026-12-07. Writes
+allreduce-sizes.{json,md} (``--save``: into shardwise/bench/results/). About a minute here.
 """
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ Calibration: ``shardwise.launch.auto.calibrate`` on the benchmark GPT of
 models below. The machine's speed drifts within a minute here (``validate_planner.Calibrations``),
 so every run sits between two such calibrations of its world size (the one after a run is the
 next run's before when that run has the same world), and is predicted from the median of the
-two around it, or of three where those two disagree by more than ``SPREAD``. (Until the run of 2026-12-07 a model's whole block of eight runs, minutes long,
-sat between one pair, and a calibration taken in a slow spell made the block read slow.)
+two around it, or of three where those two disagree by more than ``SPREAD``. (Until the run
+of 2026-12-07 a model's whole block of eight runs, minutes long, sat between one pair, and a
+calibration taken in a slow spell made the block read slow.)
 
 Held out (``MODELS``): Hugging Face Llama from a config (8 layers x 512, 8 heads, SwiGLU 1376,
 RMSNorm, rotary, untied head, the byte vocabulary: 25.6M parameters; built by
