@@ -11,7 +11,7 @@ A forked gloo world of the local process count (``shardwise.launch.world.run_wor
   came out twice what tens of MiB get, or unbounded (ZeRO's and DDP's buckets are tens of MiB:
   3d's were priced at half their time). Nor the slope between 4 and 32 MiB (used for one day):
   a 4 MiB median above the 32 MiB one, which this machine's noise makes happen, left it
-  unbounded too. 32 MiB takes ten times the 1 KiB latency even there, so the line through
+  unbounded too. 32 MiB takes 7-10x the 1 KiB time even there, so the line through
   them is always defined (``python -m shardwise.bench.allreduce_sizes`` grades the fit on
   1 KiB to 64 MiB);
 - the all-reduce data parallelism runs (``comm.reducer.Reducer`` with ``parallel.allreduce``):
