@@ -73,3 +73,29 @@ def test_a_third_calibration_where_two_disagree(monkeypatch, tmp_path):
     (row,) = doc["rows"]
     assert [r["calibrations"] for r in row["runs"]] == [3, 3]
     assert "three where two differ by more than 20%: 2 of 2 runs" in vh.markdown(doc)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_run_is_recorded_and_the_next_takes_its_own_calibration(monkeypatch, tmp_path):
+    """zero1 fails to start between ddp and zero2 (all world 2): its row says why, and zero2
+    does not take ddp's after (from before zero1's attempt) as its own before, but a fresh
+    one."""
+    real = vh._run_fn
+
+    def run_fn(model, name, steps):
+        if name == "zero1":
+            raise RuntimeError("boom\nzero1 could not start")
+        return real(model, name, steps)
+    monkeypatch.setattr(vh, "MODELS", TINY)
+    monkeypatch.setattr(vh, "_run_fn", run_fn)
+    monkeypatch.setattr(validate_planner.Calibrations, "_take", _fake_take)
+    monkeypatch.setattr(validate_planner, "RESULTS", str(tmp_path))
+    argv = ["--held-out", "--runs", "1", "--steps", "3", "--only", "ddp,zero1,zero2", "--save"]
+    assert validate_planner.main(argv) == 0
+    doc = json.load(open(os.path.join(tmp_path, "planner_heldout.json")))
+    rows = {r["strategy"]: r for r in doc["rows"]}
+    assert rows["zero1"]["error"] == "RuntimeError: zero1 could not start"
+    assert not rows["zero1"]["runs"] and len(rows["zero2"]["runs"]) == 1
+    # ddp's before and after, then zero2's own before and after: four, not three
+    assert len(doc["calibration_spread"]["2"]) == 4
+    assert doc["summary"]["failed"] == ["tiny zero1"]
