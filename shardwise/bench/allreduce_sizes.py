@@ -5,20 +5,22 @@
 In a forked world of each size, waiting as training will (``runtime.spins``: ranks poll where
 each has a core, else block), ``Comm.all_reduce`` (gloo) and data parallelism's ``Reducer``
 (shared memory where it applies) each time 1 KiB, 1, 4, 16, 32 and 64 MiB (the slowest rank's
-median). Two fits of the ring's alpha-beta model ``2 (N-1) alpha + 2 (N-1)/N K / bw`` are then
-graded on every size: the calibration's (``calibrate_links._bus_bw``: the line through 1 KiB
-and 32 MiB) and the line through 1 KiB and 4 MiB it used before 2026-12-07. Writes
+median; ``calibrate_links._timed_sizes``, as the calibration times them). Two fits of the
+ring's alpha-beta model ``2 (N-1) alpha + 2 (N-1)/N K / bw`` are then graded on every size,
+through the planner's own formula (``planner.comm.allreduce_time``): the calibration's
+(``calibrate_links._bus_bw``: the line through 1 KiB and 32 MiB) and the line through 1 KiB and
+4 MiB it used before 2026-12-07. Writes
 allreduce-sizes.{json,md} (``--save``: into shardwise/bench/results/). About a minute here.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
 from shardwise.launch.calibrate_links import LARGE, SMALL, XLARGE, _bus_bw
+from shardwise.planner.comm import allreduce_time
 
 SIZES = (SMALL, 1 << 18, LARGE, 1 << 22, XLARGE, 1 << 24)
 """fp32 elements: 1 KiB, 1, 4, 16, 32 and 64 MiB."""
@@ -31,6 +33,7 @@ def _reps(numel: int) -> int:
 def _probe(rank: int, world: int, sizes) -> dict:
     from shardwise.comm.collectives import Comm
     from shardwise.comm.reducer import Reducer
+    from shardwise.launch.calibrate_links import _timed_sizes
     from shardwise.mesh import Mesh
     from shardwise.run.runtime import spins
     torch.set_num_threads(1)
@@ -38,21 +41,12 @@ def _probe(rank: int, world: int, sizes) -> dict:
     comm = Comm(spin=spins("auto", device, world))
     group = Mesh.build(1, world, 1).world
     reducer = Reducer(comm, group, "auto", device)
-    out = {"gloo": {}, "reducer": {}}
-    for numel in sizes:
-        t = torch.ones(numel)
-        for kind, reduce in (("gloo", lambda: comm.all_reduce(t, group)),
-                             ("reducer", lambda: reducer.all_reduce(t, False, "allreduce-sizes"))):
-            reduce()                                    # warm-up
-            times = []
-            for _ in range(_reps(numel)):
-                comm.barrier(group)
-                t0 = time.perf_counter()
-                reduce()
-                times.append(time.perf_counter() - t0)
-            out[kind][numel] = statistics.median(times)
-    out["shared_memory"] = reducer.uses_shared_memory
-    out["spins"] = comm.spin
+    reps = {numel: _reps(numel) for numel in sizes}
+    barrier = lambda: comm.barrier(group)   # noqa: E731
+    out = {"gloo": _timed_sizes(lambda t: comm.all_reduce(t, group), reps, barrier),
+           "reducer": _timed_sizes(lambda t: reducer.all_reduce(t, False, "allreduce-sizes"),
+                                   reps, barrier),
+           "shared_memory": reducer.uses_shared_memory, "spins": comm.spin}
     reducer.close()
     return out
 
@@ -62,11 +56,6 @@ def _line(times: dict, world: int) -> tuple[float, float]:
     steps = 2 * (world - 1)
     return (steps / world * (LARGE - SMALL) * 4 / max(times[LARGE] - times[SMALL], 1e-9),
             times[SMALL] / steps)
-
-
-def _ring(numel: int, world: int, bw: float, alpha: float) -> float:
-    steps = 2 * (world - 1)
-    return steps * alpha + steps / world * numel * 4 / bw
 
 
 def measure(world: int, sizes=None) -> dict:
@@ -85,7 +74,7 @@ def measure(world: int, sizes=None) -> dict:
         for n in sizes:
             row = {"bytes": n * 4, "measured_s": slowest[n]}
             for name, (bw, alpha) in fits.items():
-                pred = _ring(n, world, bw, alpha)
+                pred = allreduce_time(n * 4, world, bw, alpha)
                 row[f"{name}_s"] = pred
                 row[f"{name}_gap"] = pred / slowest[n] - 1
             rows.append(row)

@@ -66,10 +66,16 @@ class Links:
     """The planner's name of the link: ``nvlink`` or ``pcie`` (GPUs), empty for CPU ranks."""
 
 
-def _timed_sizes(reduce, reps: tuple[int, int], barrier) -> dict:
-    """Median seconds of ``reduce(t)`` for SMALL and XLARGE fp32 elements, after a warm-up."""
+REPS = {SMALL: 30, XLARGE: 5}
+"""fp32 elements -> timings of each probe size (the median is kept)."""
+
+
+def _timed_sizes(reduce, reps: dict[int, int], barrier) -> dict:
+    """{numel: median seconds of ``reduce(t)`` over ``reps[numel]`` calls} for each size of
+    ``reps`` (fp32 elements), after a warm-up; bench/allreduce_sizes.py times its sizes so
+    too."""
     out = {}
-    for numel, n in zip((SMALL, XLARGE), reps):
+    for numel, n in reps.items():
         t = torch.ones(numel)
         reduce(t)                            # warm-up (connections, buffers, shared pages)
         times = []
@@ -82,7 +88,7 @@ def _timed_sizes(reduce, reps: tuple[int, int], barrier) -> dict:
     return out
 
 
-def _probe(rank: int, world: int, reps: tuple[int, int], cfg=None, threads: int = 1,
+def _probe(rank: int, world: int, reps: dict[int, int], cfg=None, threads: int = 1,
            compute=None) -> dict:
     """One forked rank: the backend's and data parallelism's allreduce at both sizes, the cost
     after compute, and (with ``cfg``) this rank's ``compute(cfg, device, threads, agree)``
@@ -165,7 +171,7 @@ def measure_links(world: int, cfg=None, threads: int = 1, compute=None) -> Links
     from shardwise.launch.world import run_world
     if world < 2:
         return Links()
-    per_rank = run_world(_probe, world, (30, 5), cfg, threads, compute, timeout=180)
+    per_rank = run_world(_probe, world, REPS, cfg, threads, compute, timeout=180)
     bw, alpha = _bus_bw([r["native"] for r in per_rank], world)
     shared = [r["shared"] for r in per_rank if "shared" in r]
     shared_bw = _bus_bw(shared, world)[0] if len(shared) == world else 0.0

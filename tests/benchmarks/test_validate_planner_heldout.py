@@ -2,6 +2,7 @@
 validate_planner_heldout.py): two rounds of three strategies, calibrations replaced by a fixed
 one (a real calibration forks worlds for seconds; its figures only move the step prediction),
 and the JSON carries every field docs/planner.md's generated block and inline values read."""
+import itertools
 import json
 import os
 
@@ -14,22 +15,34 @@ TINY = {"tiny": ({"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 32},
                  {"batch_size": 4})}
 
 
-def _fake_take(self, cfg, world):
-    rank = autoplan.Compute(1, 2e10, 2e10, 1e-3, 5e9)
-    cal = autoplan.Calibration("cpu", world, rank, rank, 1e9 if world > 1 else 0.0, 2e-4,
-                               16 * 2**30, 0.0, 2e-3, 2e9 if world > 1 else 0.0)
-    self.taken.setdefault(world, []).append(cal)
-    return cal
+def _taking(rates):
+    """A ``Calibrations._take`` that measures nothing: each calibration's GPT and matmul rate
+    is the next of ``rates`` (FLOP/s per rank)."""
+    def take(self, cfg, world):
+        rate = next(rates)
+        rank = autoplan.Compute(1, rate, rate, 1e-3, 5e9)
+        cal = autoplan.Calibration("cpu", world, rank, rank, 1e9 if world > 1 else 0.0, 2e-4,
+                                   16 * 2**30, 0.0, 2e-3, 2e9 if world > 1 else 0.0)
+        self.taken.setdefault(world, []).append(cal)
+        return cal
+    return take
+
+
+def _held_out(monkeypatch, tmp_path, runs: int, only: str, rates=None) -> dict:
+    """``validate_planner --held-out --save`` on TINY into ``tmp_path``, calibrations at
+    ``rates`` (default: one fixed rate); its JSON."""
+    monkeypatch.setattr(vh, "MODELS", TINY)
+    monkeypatch.setattr(validate_planner.Calibrations, "_take",
+                        _taking(iter(rates or itertools.repeat(2e10))))
+    monkeypatch.setattr(validate_planner, "RESULTS", str(tmp_path))      # --save writes here
+    argv = ["--held-out", "--runs", str(runs), "--steps", "3", "--only", only, "--save"]
+    assert validate_planner.main(argv) == 0
+    return json.load(open(os.path.join(tmp_path, "planner_heldout.json")))
 
 
 @pytest.mark.timeout(120)
 def test_held_out_runs_end_to_end_and_writes_what_the_docs_read(monkeypatch, tmp_path):
-    monkeypatch.setattr(vh, "MODELS", TINY)
-    monkeypatch.setattr(validate_planner.Calibrations, "_take", _fake_take)
-    monkeypatch.setattr(validate_planner, "RESULTS", str(tmp_path))      # --save writes here
-    argv = ["--held-out", "--runs", "2", "--steps", "3", "--only", "single,ddp,zero2", "--save"]
-    assert validate_planner.main(argv) == 0
-    doc = json.load(open(os.path.join(tmp_path, "planner_heldout.json")))
+    doc = _held_out(monkeypatch, tmp_path, 2, "single,ddp,zero2")
     assert {"rows", "summary", "runs", "steps", "seconds", "load", "cpus", "machine",
             "calibration_spread"} <= set(doc)
     assert {"commit", "dirty", "date"} <= set(doc["machine"])
@@ -52,21 +65,7 @@ def test_held_out_runs_end_to_end_and_writes_what_the_docs_read(monkeypatch, tmp
 def test_a_third_calibration_where_two_disagree(monkeypatch, tmp_path):
     """World 2's calibrations alternate between two rates 50% apart: every run then takes a
     third after the two around it and is predicted from the median of the three."""
-    rates = iter([2e10, 1e10] * 10)
-
-    def take(self, cfg, world):
-        rate = next(rates)
-        rank = autoplan.Compute(1, rate, rate, 1e-3, 5e9)
-        cal = autoplan.Calibration("cpu", world, rank, rank, 1e9, 2e-4, 16 * 2**30, 0.0, 2e-3,
-                                   2e9)
-        self.taken.setdefault(world, []).append(cal)
-        return cal
-    monkeypatch.setattr(vh, "MODELS", TINY)
-    monkeypatch.setattr(validate_planner.Calibrations, "_take", take)
-    monkeypatch.setattr(validate_planner, "RESULTS", str(tmp_path))
-    argv = ["--held-out", "--runs", "2", "--steps", "3", "--only", "ddp", "--save"]
-    assert validate_planner.main(argv) == 0
-    doc = json.load(open(os.path.join(tmp_path, "planner_heldout.json")))
+    doc = _held_out(monkeypatch, tmp_path, 2, "ddp", rates=[2e10, 1e10] * 10)
     # round 1: 2e10 before, 1e10 after (disagree), 2e10 third; round 2: that third is the
     # before, 1e10 after, 2e10 third
     assert doc["calibration_spread"]["2"] == [2e10, 1e10, 2e10, 1e10, 2e10]
@@ -86,13 +85,8 @@ def test_a_failed_run_is_recorded_and_the_next_takes_its_own_calibration(monkeyp
         if name == "zero1":
             raise RuntimeError("boom\nzero1 could not start")
         return real(model, name, steps)
-    monkeypatch.setattr(vh, "MODELS", TINY)
     monkeypatch.setattr(vh, "_run_fn", run_fn)
-    monkeypatch.setattr(validate_planner.Calibrations, "_take", _fake_take)
-    monkeypatch.setattr(validate_planner, "RESULTS", str(tmp_path))
-    argv = ["--held-out", "--runs", "1", "--steps", "3", "--only", "ddp,zero1,zero2", "--save"]
-    assert validate_planner.main(argv) == 0
-    doc = json.load(open(os.path.join(tmp_path, "planner_heldout.json")))
+    doc = _held_out(monkeypatch, tmp_path, 1, "ddp,zero1,zero2")
     rows = {r["strategy"]: r for r in doc["rows"]}
     assert rows["zero1"]["error"] == "RuntimeError: zero1 could not start"
     assert not rows["zero1"]["runs"] and len(rows["zero2"]["runs"]) == 1
