@@ -50,7 +50,30 @@ def plain_loop_tokens_per_s(cfg, rank: int, world: int, wrap=None, steps: int = 
     dt = timed_steps(step, steps)
     if timings is not None:
         timings.update(step_s=dt, optimizer_step_s=statistics.median(optimizer_s[-steps:]))
+        if torch_defaults:      # what ours steps instead, on the same model and gradients
+            x, y = data.batch(state["step"], b, rank, world)
+            lm_loss(model(x), y).backward()
+            timings["ours_optimizer_step_s"] = optimizer_step_seconds(
+                same_optimizer(cfg, model.parameters()))
     return b * cfg.model.block_size / dt
+
+
+def optimizer_step_seconds(opt, reps: int = 5, warmup: int = 2) -> float:
+    """Median seconds of ``opt.step()`` on the gradients already in place (after ``warmup``
+    steps, the first of which allocates the optimizer's states)."""
+    return timed_steps(opt.step, reps, warmup=warmup)
+
+
+def step_ceiling(step_s: float, optimizer_s: float, replacement_s: float) -> dict:
+    """What replacing a loop's optimizer step (``optimizer_s`` of its ``step_s``) by one taking
+    ``replacement_s``, and changing nothing else, can give: ``ceiling``, the loop's speed-up
+    ``step_s / (step_s - optimizer_s + replacement_s)``; ``goal``, the product row's ``1 +
+    share``; ``replacement_limit_s``, the longest the replacement may take for the ceiling to
+    reach that goal: ``optimizer_s * share / (1 + share)``, a fraction ``share / (1 + share)`` of
+    the step it replaces."""
+    share = optimizer_s / step_s
+    return {"ceiling": step_s / (step_s - optimizer_s + replacement_s), "goal": 1 + share,
+            "replacement_limit_s": optimizer_s * share / (1 + share)}
 
 
 def torch_ddp_tokens_per_s(cfg, rank: int, world: int, bucket_mb: float = 25.0,
