@@ -275,6 +275,25 @@ def allreduce_sizes(path: str) -> str:
     return bench.markdown(_load(path)) + "\n" + provenance(path)
 
 
+def product_ceiling(*paths: str) -> str:
+    """The product rows (single-defaults-vs-torch-defaults*): torch's step and its optimizer's
+    share, the goal, the fused step on the same model, the most swapping the one for the other
+    can give (bench/peers.py step_ceiling), and the ratio the row measured."""
+    out = ["| row | torch's step | its optimizer step | share | goal (1 + share) | fused step, "
+           "same model | fused step the goal needs | ceiling of the swap | measured ratio | "
+           "goal met in this run |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        d = _load(path)
+        e = d["peer_result"]["extra"]
+        ms = lambda s: f"{s * 1e3:.1f} ms"           # noqa: E731
+        out.append(f"| {d['row']} | {ms(e['step_s'])} | {ms(e['optimizer_step_s'])} | "
+                   f"{e['optimizer_share']:.1%} | {e['goal']:.3f} | "
+                   f"{ms(e['ours_optimizer_step_s'])} | {ms(e['replacement_limit_s'])} | "
+                   f"{e['ceiling']:.3f} | {d['throughput_ratio']:.3f} | "
+                   f"{'yes' if d['throughput_ratio'] >= e['goal'] else 'no'} |")
+    return "\n".join(out) + "\n\n" + provenance(*paths)
+
+
 def cli_reference() -> str:
     """Each command's usage and options, as ``--help`` prints them (one source)."""
     from shardwise import cli
@@ -300,7 +319,8 @@ KINDS = {"bench-table": bench_table, "bench-provenance": bench_provenance,
          "ps-rows": ps_rows, "bubble": bubble, "planner-steps": planner_steps,
          "planner-categories": planner_categories,
          "planner-heldout": planner_heldout, "offload-row": offload_row,
-         "allreduce-sizes": allreduce_sizes}
+         "allreduce-sizes": allreduce_sizes,
+         "product-ceiling": product_ceiling}
 
 
 VALUE = re.compile(r"(<!-- value: (?P<spec>[^>]*?) -->)(?P<body>[^<\n]*)(<!-- /value -->)")

@@ -23,6 +23,11 @@ def peer(rank, world, steps):
     return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, steps=steps - 2)}
 
 
+def peer_sized(rank, world, steps, size="3m"):
+    """The plain loop on ours' optimizer (run/api.optimizer_factory: fused AdamW), at ``size``."""
+    return {"items_per_s": plain_loop_tokens_per_s(_config(size), rank, world, steps=steps - 2)}
+
+
 # the memory rows' GPT (8 x 768, 57.0M parameters), batch 4: the optimizer's share grows with it
 GPT_57M = {"n_layer": 8, "n_embd": 768, "n_head": 12, "block_size": 128, "vocab_size": 256}
 
@@ -67,6 +72,9 @@ def ours_eager(rank, world, steps, strategy=Strategy.SINGLE, precision="no"):
 
 ROWS = [Row("single-vs-torch", ours, peer, world=1, args={"steps": 14},
             quick_args={"steps": 6},
+            goal="ratio >= 0.98 (the loop costs nothing)", peer_name="plain PyTorch loop"),
+        Row("single-vs-torch-57m", ours_sized, peer_sized, world=1,
+            args={"steps": 8, "size": "57m"}, quick_args={"steps": 5, "size": "57m"},
             goal="ratio >= 0.98 (the loop costs nothing)", peer_name="plain PyTorch loop"),
         Row("single-defaults-vs-torch-defaults", ours_sized, peer_torch_defaults, world=1,
             args={"steps": 14}, quick_args={"steps": 6},
