@@ -285,7 +285,7 @@ def product_ceiling(*paths: str) -> str:
     for path in paths:
         d = _load(path)
         e = d["peer_result"]["extra"]
-        ms = lambda s: f"{s * 1e3:.1f} ms"           # noqa: E731
+        ms = lambda s: f"{s * 1e3:,.1f} ms"           # noqa: E731
         out.append(f"| {d['row']} | {ms(e['step_s'])} | {ms(e['optimizer_step_s'])} | "
                    f"{e['optimizer_share']:.1%} | {e['goal']:.3f} | "
                    f"{ms(e['ours_optimizer_step_s'])} | {ms(e['replacement_limit_s'])} | "
