@@ -294,6 +294,26 @@ def product_ceiling(*paths: str) -> str:
     return "\n".join(out) + "\n\n" + provenance(*paths)
 
 
+def compile_ceiling(path: str) -> str:
+    """profile-limit-*.json, both sides (one process; DDP's rank 0): where the step goes, by
+    what ``--compile`` leaves as it is and what it could fuse, and the most it could gain
+    (profile_limit.compile_ceiling)."""
+    from shardwise.bench.profile_limit import KERNELS, compile_ceiling as split
+    d = _load(path)
+    sides = [split(d[side]["ops_s_per_step"]) for side in ("one", "ddp")]
+    out = [f"| part of the step | one process (s) | share | DDP world {d['world']}, rank 0 (s) "
+           "| share |", "|---|---|---|---|---|"]
+    for name in [*KERNELS, "the rest"]:
+        cells = [(c["groups"][name] if name in KERNELS else c["rest"]) for c in sides]
+        out.append(f"| {name} | " + " | ".join(f"{v:.3f} | {v / c['total']:.1%}"
+                                                for v, c in zip(cells, sides)) + " |")
+    out.append("| step (self times summed) | " + " | ".join(f"{c['total']:.3f} | 100%"
+                                                          for c in sides) + " |")
+    out.append("| **ceiling: the rest compiled away** | " + " | ".join(
+        f"**{c['ceiling']:.3f}x** | " for c in sides) + " |")
+    return "\n".join(out) + "\n\n" + provenance(path)
+
+
 def cli_reference() -> str:
     """Each command's usage and options, as ``--help`` prints them (one source)."""
     from shardwise import cli
@@ -320,7 +340,7 @@ KINDS = {"bench-table": bench_table, "bench-provenance": bench_provenance,
          "planner-categories": planner_categories,
          "planner-heldout": planner_heldout, "offload-row": offload_row,
          "allreduce-sizes": allreduce_sizes,
-         "product-ceiling": product_ceiling}
+         "product-ceiling": product_ceiling, "compile-ceiling": compile_ceiling}
 
 
 VALUE = re.compile(r"(<!-- value: (?P<spec>[^>]*?) -->)(?P<body>[^<\n]*)(<!-- /value -->)")

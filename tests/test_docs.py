@@ -30,7 +30,8 @@ def _pages_with(kind: str) -> list[str]:
 
 
 MEASURED = ["bench-table", "gpu-table", "bench-rows", "json-table", "ps-rows", "bubble",
-            "planner-steps", "planner-categories", "product-ceiling"]
+            "planner-steps", "planner-categories", "product-ceiling",
+            "compile-ceiling"]
 
 
 @pytest.mark.parametrize("kind", MEASURED)

@@ -42,3 +42,4 @@ def test_the_ceiling_meets_the_goal_exactly_at_the_limit(step, share, frac):
     # no replacement at all (an optimizer that costs nothing) beats the goal by share^2 / (1 - share)
     free = step_ceiling(step, optimizer, 0.0)["ceiling"]
     assert free == pytest.approx(1 / (1 - share))
+
