@@ -301,8 +301,9 @@ def compile_ceiling(path: str) -> str:
     from shardwise.bench.profile_limit import KERNELS, compile_ceiling as split
     d = _load(path)
     sides = [split(d[side]["ops_s_per_step"]) for side in ("one", "ddp")]
-    out = [f"| part of the step | one process (s) | share | DDP world {d['world']}, rank 0 (s) "
-           "| share |", "|---|---|---|---|---|"]
+    precision = "bf16 autocast" if d.get("mixed_precision", "no") == "bf16" else "fp32"
+    out = [f"| part of the step ({precision}) | one process (s) | share | DDP world "
+           f"{d['world']}, rank 0 (s) | share |", "|---|---|---|---|---|"]
     for name in [*KERNELS, "the rest"]:
         cells = [(c["groups"][name] if name in KERNELS else c["rest"]) for c in sides]
         out.append(f"| {name} | " + " | ".join(f"{v:.3f} | {v / c['total']:.1%}"

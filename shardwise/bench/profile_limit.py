@@ -19,6 +19,10 @@ sides ``--rounds`` times (A B A B), and profiles ``--steps`` steps of each with
 - the difference table: operators ordered by how much more time per step DDP's rank 0 spends
   in them than the one process, which names where the gap goes.
 
+``--mixed-precision bf16`` runs both sides in bf16 autocast (the loss in fp32, as training
+computes it) and writes ``profile-limit-<size>-bf16.json``; docs/memory.md reads both files for
+``--compile``'s ceiling (:func:`compile_ceiling`).
+
 Self time is wall time on the calling thread, so an op that runs on 2 threads in the one
 process and on 1 thread in a DDP rank shows the difference the threads make. Writes
 ``profile-limit-<size>.json`` (``--save``: into shardwise/bench/results/) with the machine
@@ -34,6 +38,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
@@ -45,9 +50,12 @@ PHASES = ("forward", "backward", "step")
 RANGES = ("shm:", "gloo:", "Optimizer.step#")
 
 
-def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | None) -> dict:
+def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | None,
+                   precision: str = "no") -> dict:
     """Build the sized GPT, prepare it for DDP (a world of one is plain PyTorch), train 2
-    untimed steps and ``steps`` profiled ones; per-step phase times and op self times."""
+    untimed steps and ``steps`` profiled ones; per-step phase times and op self times.
+    ``precision``: memory.mixed_precision (``bf16``: autocast, the loss in fp32 as training
+    computes it)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import shardwise
@@ -56,6 +64,7 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
     from shardwise.run.api import optimizer_factory
     threads_for(world)
     cfg = sized_config(Strategy.DDP if world > 1 else Strategy.SINGLE, size, steps + 2)
+    cfg = replace(cfg, memory=replace(cfg.memory, mixed_precision=precision))
     data = build_data(cfg)
     engine = shardwise.prepare(build_model(cfg.model, cfg.train.seed), optimizer_factory(cfg),
                                cfg, loss_fn=lm_loss)
@@ -66,7 +75,7 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
         x, y = engine.shard(*data.batch(i, b, 0, 1))
         marks = [time.perf_counter()]
         with record_function("forward"):
-            loss = engine.loss_fn(engine(x), y)
+            loss = engine.loss(x, y)
         marks.append(time.perf_counter())
         with record_function("backward"):
             engine.backward(loss)
@@ -81,6 +90,8 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
 
     for i in range(2):
         one_step(i, False)
+    with torch.no_grad():               # the dtype the model's forward runs in (autocast's)
+        logits_dtype = str(engine(engine.shard(*data.batch(0, b, 0, 1))[0]).dtype)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(2, steps + 2):
             one_step(i, True)
@@ -96,13 +107,14 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
             ops[ev.key] += ev.self_cpu_time_total / 1e6 / steps
     engine.close()
     return {"threads": torch.get_num_threads(), "rows_per_rank": b // world,
+            "logits_dtype": logits_dtype,
             "phases": {k: statistics.median(v) for k, v in phases.items()},
             "ops_s_per_step": dict(ops), "ranges_s_per_step": ranges}
 
 
-def _side(world: int, size: str, steps: int, trace: str | None) -> dict:
+def _side(world: int, size: str, steps: int, trace: str | None, precision: str) -> dict:
     from shardwise.launch.world import run_world
-    return run_world(_profiled_loop, world, size, steps, trace, timeout=1800)[0]
+    return run_world(_profiled_loop, world, size, steps, trace, precision, timeout=1800)[0]
 
 
 def difference(ddp: dict, one: dict, top: int = 12) -> list[dict]:
@@ -146,6 +158,7 @@ def _median_side(runs: list[dict]) -> dict:
     """Per-key medians over the rounds of one side."""
     keys = set().union(*(r["ops_s_per_step"] for r in runs))
     return {"threads": runs[0]["threads"], "rows_per_rank": runs[0]["rows_per_rank"],
+            "logits_dtype": runs[0]["logits_dtype"],
             "phases": {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]},
             "phase_runs": {k: [r["phases"][k] for r in runs] for k in runs[0]["phases"]},
             "ops_s_per_step": {k: statistics.median(r["ops_s_per_step"].get(k, 0.0) for r in runs)
@@ -181,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=2, help="DDP ranks (default 2)")
     ap.add_argument("--steps", type=int, default=4, help="profiled steps per run (default 4)")
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds (default 2)")
+    ap.add_argument("--mixed-precision", default="no", choices=("no", "bf16"),
+                    help="both sides in bf16 autocast (default: fp32); the file gets a -bf16 suffix")
     ap.add_argument("--trace", metavar="DIR", help="write a Chrome trace of each side there")
     ap.add_argument("--save", action="store_true", help="write into shardwise/bench/results/")
     a = ap.parse_args(argv)
@@ -195,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(a.rounds):
         for side, world in (("ddp", a.world), ("one", 1)):
             print(f"round {i + 1}/{a.rounds}: {side} (world {world})", file=sys.stderr, flush=True)
-            runs[side].append(_side(world, a.size, a.steps, a.trace if i == 0 else None))
+            runs[side].append(_side(world, a.size, a.steps, a.trace if i == 0 else None,
+                                    a.mixed_precision))
     result = {"size": a.size, "world": a.world, "steps": a.steps, "rounds": a.rounds,
+              "mixed_precision": a.mixed_precision,
               "cores": os.cpu_count(), "ddp": _median_side(runs["ddp"]),
               "one": _median_side(runs["one"]), "seconds": time.perf_counter() - t0}
     result["difference"] = difference(result["ddp"]["ops_s_per_step"], result["one"]["ops_s_per_step"])
@@ -205,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"] = machine()
     out_dir = (os.path.join(os.path.dirname(__file__), "results") if a.save else
                os.environ.get("TMPDIR", "/tmp"))
-    path = os.path.join(out_dir, f"profile-limit-{a.size}.json")
+    suffix = "" if a.mixed_precision == "no" else f"-{a.mixed_precision}"
+    path = os.path.join(out_dir, f"profile-limit-{a.size}{suffix}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(result["table"])

@@ -23,6 +23,7 @@ def test_both_sides_profiled_at_world_two(tmp_path, monkeypatch, capsys):
     out = json.loads((tmp_path / "profile-limit-3m.json").read_text())
     ddp, one = out["ddp"], out["one"]
     assert (ddp["threads"], one["threads"]) == (max(1, out["cores"] // 2), out["cores"])
+    assert ddp["logits_dtype"] == one["logits_dtype"] == "torch.float32"
     assert ddp["rows_per_rank"] * 2 == one["rows_per_rank"]
     # the allreduce shows on DDP's side only (shared memory or gloo), the optimizer on both
     assert any(k.startswith(("shm:", "gloo:")) for k in ddp["ranges_s_per_step"])
@@ -34,6 +35,17 @@ def test_both_sides_profiled_at_world_two(tmp_path, monkeypatch, capsys):
     assert out["machine"]["commit"] is None or len(out["machine"]["commit"]) >= 7
     assert (tmp_path / "trace" / "ddp-3m.json").exists() and (tmp_path / "trace" / "one-3m.json").exists()
     assert "| operator (self time)" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(180)
+def test_bf16_profiles_both_sides_in_autocast_into_their_own_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert profile_limit.main(["--size", "3m", "--steps", "1", "--rounds", "1",
+                               "--mixed-precision", "bf16"]) == 0
+    assert not (tmp_path / "profile-limit-3m.json").exists()
+    out = json.loads((tmp_path / "profile-limit-3m-bf16.json").read_text())
+    assert out["mixed_precision"] == "bf16"
+    assert out["ddp"]["logits_dtype"] == out["one"]["logits_dtype"] == "torch.bfloat16"
 
 
 @pytest.mark.parametrize("argv", [["--world", "1"], ["--steps", "0"], ["--size", "9b"]])
