@@ -298,14 +298,15 @@ def compile_ceiling(path: str) -> str:
     """profile-limit-*.json, both sides (one process; DDP's rank 0): where the step goes, by
     what ``--compile`` leaves as it is and what it could fuse, and the most it could gain
     (profile_limit.compile_ceiling)."""
-    from shardwise.bench.profile_limit import KERNELS, compile_ceiling as split
+    from shardwise.bench.profile_limit import compile_ceiling as split
     d = _load(path)
-    sides = [split(d[side]["ops_s_per_step"]) for side in ("one", "ddp")]
+    sides = [split(d[side]["ops_s_per_step"], d[side].get("weight_casts_s_per_step", 0.0))
+             for side in ("one", "ddp")]
     precision = "bf16 autocast" if d.get("mixed_precision", "no") == "bf16" else "fp32"
     out = [f"| part of the step ({precision}) | one process (s) | share | DDP world "
            f"{d['world']}, rank 0 (s) | share |", "|---|---|---|---|---|"]
-    for name in [*KERNELS, "the rest"]:
-        cells = [(c["groups"][name] if name in KERNELS else c["rest"]) for c in sides]
+    for name in [*sides[0]["groups"], "the rest"]:
+        cells = [c["rest"] if name == "the rest" else c["groups"][name] for c in sides]
         out.append(f"| {name} | " + " | ".join(f"{v:.3f} | {v / c['total']:.1%}"
                                                 for v, c in zip(cells, sides)) + " |")
     out.append("| step (self times summed) | " + " | ".join(f"{c['total']:.3f} | 100%"

@@ -92,7 +92,7 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
         one_step(i, False)
     with torch.no_grad():               # the dtype the model's forward runs in (autocast's)
         logits_dtype = str(engine(engine.shard(*data.batch(0, b, 0, 1))[0]).dtype)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for i in range(2, steps + 2):
             one_step(i, True)
     if trace and rank == 0:
@@ -100,6 +100,10 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
         prof.export_chrome_trace(os.path.join(trace, f"{'ddp' if world > 1 else 'one'}-{size}.json"))
     ops: dict[str, float] = defaultdict(float)
     ranges: dict[str, float] = {}
+    shapes = {tuple(p.shape) for p in engine.model.parameters()}
+    weight_casts = sum(ev.self_cpu_time_total for ev in prof.key_averages(group_by_input_shape=True)
+                       if ev.key == "aten::copy_" and ev.input_shapes
+                       and tuple(ev.input_shapes[0]) in shapes) / 1e6 / steps
     for ev in prof.key_averages():
         if ev.key.startswith(RANGES):      # whole time inside, the ops they ran included
             ranges[ev.key] = ev.cpu_time_total / 1e6 / steps
@@ -109,7 +113,8 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
     return {"threads": torch.get_num_threads(), "rows_per_rank": b // world,
             "logits_dtype": logits_dtype,
             "phases": {k: statistics.median(v) for k, v in phases.items()},
-            "ops_s_per_step": dict(ops), "ranges_s_per_step": ranges}
+            "ops_s_per_step": dict(ops), "ranges_s_per_step": ranges,
+            "weight_casts_s_per_step": weight_casts}
 
 
 def _side(world: int, size: str, steps: int, trace: str | None, precision: str) -> dict:
@@ -133,15 +138,22 @@ KERNELS = {     # what --compile hands on unchanged: (group, test on the profile
     "optimizer step": lambda op: op.startswith(("aten::_fused_adam", "aten::_foreach_")),
     "gradient sync": lambda op: op.startswith(("gloo:", "shm:")) or "all_reduce" in op,
 }
+WEIGHT_CASTS = "weight-sized copies"
+"""``aten::copy_`` on tensors of a parameter's shape (from the profile's shapes): under
+autocast, each weight cast to the compute dtype in forward and its gradient cast back in
+backward; under DDP, each gradient copied into its bucket. A compiled block casts its weights
+too (the bytes are the parameters', whatever fuses around them), and the bucket copies run in
+the gradient sync's hooks, outside the compiled blocks."""
 
 
-def compile_ceiling(ops: dict[str, float]) -> dict:
+def compile_ceiling(ops: dict[str, float], weight_casts: float = 0.0) -> dict:
     """Split a side's per-step self times (``ops_s_per_step``, which partition its step) into
     what ``--compile`` leaves as it is (:data:`KERNELS`: the BLAS / oneDNN matrix products,
-    the attention kernels, the fused optimizer step, DDP's allreduce) and the rest, and the most compiling the
-    rest could give: ``ceiling`` = step / (step - rest), reached only if Inductor removed the
-    rest entirely (it also holds the embedding, head, loss and the autograd engine's own time,
-    which it does not compile)."""
+    the attention kernels, the fused optimizer step, DDP's allreduce; and ``weight_casts``
+    seconds of ``aten::copy_``, :data:`WEIGHT_CASTS`) and the rest, and the most compiling
+    the rest could give: ``ceiling`` = step / (step - rest), reached only if Inductor removed
+    the rest entirely (it also holds the embedding, head, loss and the autograd engine's own
+    time, which it does not compile)."""
     groups = {name: 0.0 for name in KERNELS}
     rest = 0.0
     for op, seconds in ops.items():
@@ -150,6 +162,8 @@ def compile_ceiling(ops: dict[str, float]) -> dict:
             rest += seconds
         else:
             groups[group] += seconds
+    groups[WEIGHT_CASTS] = weight_casts
+    rest -= weight_casts
     total = sum(groups.values()) + rest
     return {"groups": groups, "rest": rest, "total": total, "ceiling": total / (total - rest)}
 
@@ -159,6 +173,7 @@ def _median_side(runs: list[dict]) -> dict:
     keys = set().union(*(r["ops_s_per_step"] for r in runs))
     return {"threads": runs[0]["threads"], "rows_per_rank": runs[0]["rows_per_rank"],
             "logits_dtype": runs[0]["logits_dtype"],
+            "weight_casts_s_per_step": statistics.median(r["weight_casts_s_per_step"] for r in runs),
             "phases": {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]},
             "phase_runs": {k: [r["phases"][k] for r in runs] for k in runs[0]["phases"]},
             "ops_s_per_step": {k: statistics.median(r["ops_s_per_step"].get(k, 0.0) for r in runs)

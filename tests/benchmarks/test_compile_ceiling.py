@@ -18,9 +18,21 @@ def test_the_compile_ceiling_partitions_the_step():
            "aten::native_layer_norm": 0.04}
     c = compile_ceiling(ops)
     assert c["groups"] == pytest.approx({"matrix products": 0.8, "attention": 0.05,
-                                         "optimizer step": 0.03, "gradient sync": 0.02})
+                                         "optimizer step": 0.03, "gradient sync": 0.02,
+                                         "weight-sized copies": 0.0})
     assert c["rest"] == pytest.approx(0.1) and c["total"] == pytest.approx(1.0)
     assert c["ceiling"] == pytest.approx(1 / 0.9)
+
+
+def test_weight_sized_copies_leave_the_rest_and_lower_the_ceiling():
+    """autocast's weight casts (aten::copy_ on a parameter's shape) are moved out of what a
+    compiler could remove; the step's total does not change."""
+    ops = {"aten::mm": 0.5, "aten::copy_": 0.3, "aten::gelu": 0.2}
+    c = compile_ceiling(ops, weight_casts=0.25)
+    assert c["groups"]["weight-sized copies"] == pytest.approx(0.25)
+    assert c["rest"] == pytest.approx(0.25) and c["total"] == pytest.approx(1.0)
+    assert c["ceiling"] == pytest.approx(1 / 0.75)
+    assert c["ceiling"] < compile_ceiling(ops)["ceiling"]
 
 
 def test_the_saved_profile_keeps_the_compile_goal_out_of_reach():
@@ -30,4 +42,6 @@ def test_the_saved_profile_keeps_the_compile_goal_out_of_reach():
                         "profile-limit-57m.json")
     saved = json.load(open(path))
     for side in ("one", "ddp"):
-        assert compile_ceiling(saved[side]["ops_s_per_step"])["ceiling"] < 1.2
+        ceiling = compile_ceiling(saved[side]["ops_s_per_step"],
+                                  saved[side].get("weight_casts_s_per_step", 0.0))["ceiling"]
+        assert ceiling < 1.2

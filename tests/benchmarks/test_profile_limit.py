@@ -24,6 +24,7 @@ def test_both_sides_profiled_at_world_two(tmp_path, monkeypatch, capsys):
     ddp, one = out["ddp"], out["one"]
     assert (ddp["threads"], one["threads"]) == (max(1, out["cores"] // 2), out["cores"])
     assert ddp["logits_dtype"] == one["logits_dtype"] == "torch.float32"
+    assert ddp["weight_casts_s_per_step"] > 0       # DDP copies each gradient into its bucket
     assert ddp["rows_per_rank"] * 2 == one["rows_per_rank"]
     # the allreduce shows on DDP's side only (shared memory or gloo), the optimizer on both
     assert any(k.startswith(("shm:", "gloo:")) for k in ddp["ranges_s_per_step"])
@@ -46,6 +47,8 @@ def test_bf16_profiles_both_sides_in_autocast_into_their_own_file(tmp_path, monk
     out = json.loads((tmp_path / "profile-limit-3m-bf16.json").read_text())
     assert out["mixed_precision"] == "bf16"
     assert out["ddp"]["logits_dtype"] == out["one"]["logits_dtype"] == "torch.bfloat16"
+    for side in (out["ddp"], out["one"]):   # autocast casts every weight: copies of their shapes
+        assert 0 < side["weight_casts_s_per_step"] <= side["ops_s_per_step"]["aten::copy_"]
 
 
 @pytest.mark.parametrize("argv", [["--world", "1"], ["--steps", "0"], ["--size", "9b"]])
