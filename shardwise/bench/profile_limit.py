@@ -20,8 +20,9 @@ sides ``--rounds`` times (A B A B), and profiles ``--steps`` steps of each with
   in them than the one process, which names where the gap goes.
 
 ``--mixed-precision bf16`` runs both sides in bf16 autocast (the loss in fp32, as training
-computes it) and writes ``profile-limit-<size>-bf16.json``; docs/memory.md reads both files for
-``--compile``'s ceiling (:func:`compile_ceiling`).
+computes it) and writes ``profile-limit-<size>-bf16.json``; ``--compile`` compiles both sides'
+blocks (``-compiled``). docs/memory.md reads these files for ``--compile``'s ceiling
+(:func:`compile_ceiling`) and for where the compiled step's time goes.
 
 Self time is wall time on the calling thread, so an op that runs on 2 threads in the one
 process and on 1 thread in a DDP rank shows the difference the threads make. Writes
@@ -51,11 +52,12 @@ RANGES = ("shm:", "gloo:", "Optimizer.step#")
 
 
 def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | None,
-                   precision: str = "no") -> dict:
+                   precision: str = "no", compiled: bool = False) -> dict:
     """Build the sized GPT, prepare it for DDP (a world of one is plain PyTorch), train 2
     untimed steps and ``steps`` profiled ones; per-step phase times and op self times.
     ``precision``: memory.mixed_precision (``bf16``: autocast, the loss in fp32 as training
-    computes it)."""
+    computes it). ``compiled``: memory.compile (``--compile``'s blocks; the two untimed steps
+    compile them)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import shardwise
@@ -64,7 +66,7 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
     from shardwise.run.api import optimizer_factory
     threads_for(world)
     cfg = sized_config(Strategy.DDP if world > 1 else Strategy.SINGLE, size, steps + 2)
-    cfg = replace(cfg, memory=replace(cfg.memory, mixed_precision=precision))
+    cfg = replace(cfg, memory=replace(cfg.memory, mixed_precision=precision, compile=compiled))
     data = build_data(cfg)
     engine = shardwise.prepare(build_model(cfg.model, cfg.train.seed), optimizer_factory(cfg),
                                cfg, loss_fn=lm_loss)
@@ -117,9 +119,11 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
             "weight_casts_s_per_step": weight_casts}
 
 
-def _side(world: int, size: str, steps: int, trace: str | None, precision: str) -> dict:
+def _side(world: int, size: str, steps: int, trace: str | None, precision: str,
+          compiled: bool) -> dict:
     from shardwise.launch.world import run_world
-    return run_world(_profiled_loop, world, size, steps, trace, precision, timeout=1800)[0]
+    return run_world(_profiled_loop, world, size, steps, trace, precision, compiled,
+                     timeout=1800)[0]
 
 
 def difference(ddp: dict, one: dict, top: int = 12) -> list[dict]:
@@ -211,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds (default 2)")
     ap.add_argument("--mixed-precision", default="no", choices=("no", "bf16"),
                     help="both sides in bf16 autocast (default: fp32); the file gets a -bf16 suffix")
+    ap.add_argument("--compile", action="store_true",
+                    help="both sides with --compile (the file gets a -compiled suffix)")
     ap.add_argument("--trace", metavar="DIR", help="write a Chrome trace of each side there")
     ap.add_argument("--save", action="store_true", help="write into shardwise/bench/results/")
     a = ap.parse_args(argv)
@@ -226,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         for side, world in (("ddp", a.world), ("one", 1)):
             print(f"round {i + 1}/{a.rounds}: {side} (world {world})", file=sys.stderr, flush=True)
             runs[side].append(_side(world, a.size, a.steps, a.trace if i == 0 else None,
-                                    a.mixed_precision))
+                                    a.mixed_precision, a.compile))
     result = {"size": a.size, "world": a.world, "steps": a.steps, "rounds": a.rounds,
-              "mixed_precision": a.mixed_precision,
+              "mixed_precision": a.mixed_precision, "compile": a.compile,
               "cores": os.cpu_count(), "ddp": _median_side(runs["ddp"]),
               "one": _median_side(runs["one"]), "seconds": time.perf_counter() - t0}
     result["difference"] = difference(result["ddp"]["ops_s_per_step"], result["one"]["ops_s_per_step"])
@@ -237,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"] = machine()
     out_dir = (os.path.join(os.path.dirname(__file__), "results") if a.save else
                os.environ.get("TMPDIR", "/tmp"))
-    suffix = "" if a.mixed_precision == "no" else f"-{a.mixed_precision}"
+    suffix = ("" if a.mixed_precision == "no" else f"-{a.mixed_precision}") + \
+        ("-compiled" if a.compile else "")
     path = os.path.join(out_dir, f"profile-limit-{a.size}{suffix}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
