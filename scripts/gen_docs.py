@@ -316,6 +316,28 @@ def compile_ceiling(path: str) -> str:
     return "\n".join(out) + "\n\n" + provenance(path)
 
 
+def compile_split(eager: str, compiled: str) -> str:
+    """Two profile-limit JSONs of the same precision, eager and ``--compile``: the one process's
+    step by part (profile_limit.compile_ceiling's groups, with Inductor's compiled kernels, the
+    self time of its ``CompiledFxGraph`` calls, out of the rest), side by side."""
+    from shardwise.bench.profile_limit import compile_ceiling as split
+    rows = []
+    for path in (eager, compiled):
+        one = _load(path)["one"]
+        ops = dict(one["ops_s_per_step"])
+        kernels = sum(v for k, v in ops.items() if "CompiledFxGraph" in k)
+        c = split({k: v for k, v in ops.items() if "CompiledFxGraph" not in k},
+                  one.get("weight_casts_s_per_step", 0.0))
+        rows.append({**c["groups"], "Inductor's compiled kernels": kernels, "the rest": c["rest"],
+                     "step (self times summed)": c["total"] + kernels})
+    out = ["| part of the one process's step | eager (s) | --compile (s) | difference (s) |",
+           "|---|---|---|---|"]
+    for name in rows[0]:
+        e, k = rows[0][name], rows[1][name]
+        out.append(f"| {name} | {e:.3f} | {k:.3f} | {k - e:+.3f} |")
+    return "\n".join(out) + "\n\n" + provenance(eager, compiled)
+
+
 def cli_reference() -> str:
     """Each command's usage and options, as ``--help`` prints them (one source)."""
     from shardwise import cli
@@ -342,7 +364,8 @@ KINDS = {"bench-table": bench_table, "bench-provenance": bench_provenance,
          "planner-categories": planner_categories,
          "planner-heldout": planner_heldout, "offload-row": offload_row,
          "allreduce-sizes": allreduce_sizes,
-         "product-ceiling": product_ceiling, "compile-ceiling": compile_ceiling}
+         "product-ceiling": product_ceiling, "compile-ceiling": compile_ceiling,
+         "compile-split": compile_split}
 
 
 VALUE = re.compile(r"(<!-- value: (?P<spec>[^>]*?) -->)(?P<body>[^<\n]*)(<!-- /value -->)")

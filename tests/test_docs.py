@@ -31,7 +31,7 @@ def _pages_with(kind: str) -> list[str]:
 
 MEASURED = ["bench-table", "gpu-table", "bench-rows", "json-table", "ps-rows", "bubble",
             "planner-steps", "planner-categories", "product-ceiling",
-            "compile-ceiling"]
+            "compile-ceiling", "compile-split"]
 
 
 @pytest.mark.parametrize("kind", MEASURED)
