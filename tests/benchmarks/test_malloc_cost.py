@@ -1,0 +1,30 @@
+"""bench/malloc_cost.py: what MALLOC_MMAP_THRESHOLD_=131072 costs a step. The variable must
+reach the run (its large tensors then fault their pages in every step) and stay out of the
+other; bad input is one line and exit 2."""
+import json
+
+import pytest
+
+from shardwise.bench import malloc_cost
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_the_variable_makes_every_step_fault_its_tensors_in(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")    # must not leak into "without"
+    assert malloc_cost.main(["--size", "3m", "--rounds", "1", "--steps", "2"]) == 0
+    out = json.loads((tmp_path / "malloc-cost-3m.json").read_text())
+    for precision in ("no", "bf16"):
+        r = out[precision]
+        # 3.3M GPT, batch 8 x 128: its activations and gradients are 128 KiB to 1 MiB each
+        assert r["with"]["faults_last_step"] > 3 * r["without"]["faults_last_step"]
+        assert r["slowdown"] == pytest.approx(r["with"]["step_s"] / r["without"]["step_s"])
+    assert out["machine"]["commit"] is None or len(out["machine"]["commit"]) >= 7
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--steps", "0"]])
+def test_bad_input_is_one_line_and_exit_2(argv, capsys):
+    assert malloc_cost.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and argv[0] in err[0] and "must be at least 1" in err[0]
