@@ -97,3 +97,25 @@ def threads_for(world: int) -> None:
     """Share this machine's cores between the ranks of a world."""
     import os
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
+def script_parser(prog: str, doc: str):
+    """The argument parser of a ``python -m shardwise.bench.<script>`` measurement: its first
+    paragraph as the description, ``--size`` over :data:`SIZES` (default 57m) and ``--save``."""
+    import argparse
+    ap = argparse.ArgumentParser(prog=f"python -m shardwise.bench.{prog}",
+                                 description=doc.split("\n\n")[0])
+    ap.add_argument("--size", default="57m", choices=sorted(SIZES),
+                    help="the scaling family's model (bench/harness.py SIZES)")
+    ap.add_argument("--save", action="store_true", help="write into shardwise/bench/results/")
+    return ap
+
+
+def result_path(name: str, save: bool) -> str:
+    """Where a script writes ``name``: the committed shardwise/bench/results/ with ``--save``,
+    else ``$TMPDIR`` (default /tmp), so a casual run never overwrites the cited figures."""
+    import os
+    folder = (os.path.join(os.path.dirname(__file__), "results") if save else
+              os.environ.get("TMPDIR", "/tmp"))
+    return os.path.join(folder, name)
+

@@ -13,14 +13,14 @@ Writes ``malloc-cost-<size>.json`` (``--save``: into shardwise/bench/results/).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 
-from shardwise.bench.harness import SIZES
+from shardwise.bench.harness import result_path, script_parser
+from shardwise.config.names import Strategy
 
 THRESHOLD = "131072"
 PRECISIONS = ("no", "bf16")
@@ -38,7 +38,7 @@ def _run(size: str, steps: int, precision: str) -> dict:
     from shardwise.models import build_model, lm_loss
     from shardwise.run.api import optimizer_factory
     threads_for(1)
-    cfg = sized_config("single", size, steps)
+    cfg = sized_config(Strategy.SINGLE, size, steps)
     cfg = replace(cfg, memory=replace(cfg.memory, mixed_precision=precision))
     data = build_data(cfg)
     engine = shardwise.prepare(build_model(cfg.model, cfg.train.seed), optimizer_factory(cfg),
@@ -85,13 +85,9 @@ def measure(size: str, rounds: int, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shardwise.bench.malloc_cost",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="57m", choices=sorted(SIZES),
-                    help="the scaling family's model (bench/harness.py SIZES)")
+    ap = script_parser("malloc_cost", __doc__)
     ap.add_argument("--rounds", type=int, default=3, help="A B rounds (default 3)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per run (default 8)")
-    ap.add_argument("--save", action="store_true", help="write into shardwise/bench/results/")
     a = ap.parse_args(argv)
     for field, value in (("--rounds", a.rounds), ("--steps", a.steps)):
         if value < 1:
@@ -100,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from shardwise.bench.run import machine
     result = {"size": a.size, "rounds": a.rounds, "steps": a.steps, "threshold": THRESHOLD,
               **measure(a.size, a.rounds, a.steps), "machine": machine()}
-    out_dir = (os.path.join(os.path.dirname(__file__), "results") if a.save else
-               os.environ.get("TMPDIR", "/tmp"))
-    path = os.path.join(out_dir, f"malloc-cost-{a.size}.json")
+    path = result_path(f"malloc-cost-{a.size}.json", a.save)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     for precision in PRECISIONS:

@@ -1,6 +1,9 @@
 """Where DDP's step goes against one process with every core: a torch.profiler trace of both.
 
-    MALLOC_MMAP_THRESHOLD_=131072 python -m shardwise.bench.profile_limit --size 57m --save
+    python -m shardwise.bench.profile_limit --size 57m --save
+
+(without ``MALLOC_MMAP_THRESHOLD_``, whose page faults would be part of every op's time:
+shardwise/bench/malloc_cost.py)
 
 The "physical limit" of data parallelism on one host (issue 35 item 3) is one process that runs
 the whole batch with all the cores (``torch.set_num_threads(cores)``): it communicates nothing.
@@ -32,7 +35,6 @@ process and on 1 thread in a DDP rank shows the difference the threads make. Wri
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -43,7 +45,7 @@ from dataclasses import replace
 
 import torch
 
-from shardwise.bench.harness import SIZES, sized_config, threads_for
+from shardwise.bench.harness import result_path, script_parser, sized_config, threads_for
 from shardwise.config.names import Strategy
 
 PHASES = ("forward", "backward", "step")
@@ -206,10 +208,7 @@ def _table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shardwise.bench.profile_limit",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="57m", choices=sorted(SIZES),
-                    help="the scaling family's model (bench/harness.py SIZES)")
+    ap = script_parser("profile_limit", __doc__)
     ap.add_argument("--world", type=int, default=2, help="DDP ranks (default 2)")
     ap.add_argument("--steps", type=int, default=4, help="profiled steps per run (default 4)")
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds (default 2)")
@@ -218,7 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="both sides with --compile (the file gets a -compiled suffix)")
     ap.add_argument("--trace", metavar="DIR", help="write a Chrome trace of each side there")
-    ap.add_argument("--save", action="store_true", help="write into shardwise/bench/results/")
     a = ap.parse_args(argv)
     for field, value in (("--world", a.world), ("--steps", a.steps), ("--rounds", a.rounds)):
         if value < 1 or (field == "--world" and value < 2):
@@ -241,11 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     result["step_ratio"] = result["one"]["phases"]["total"] / result["ddp"]["phases"]["total"]
     result["table"] = _table(result)
     result["machine"] = machine()
-    out_dir = (os.path.join(os.path.dirname(__file__), "results") if a.save else
-               os.environ.get("TMPDIR", "/tmp"))
     suffix = ("" if a.mixed_precision == "no" else f"-{a.mixed_precision}") + \
         ("-compiled" if a.compile else "")
-    path = os.path.join(out_dir, f"profile-limit-{a.size}{suffix}.json")
+    path = result_path(f"profile-limit-{a.size}{suffix}.json", a.save)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(result["table"])

@@ -4,9 +4,9 @@ defaults against the loop a user writes with torch's defaults (``torch.optim.Ada
 whose CPU step is a loop over tensors; ours is fused: train.optimizer_kernel). And
 ``--compile`` against eager at the 57M GPT, for ``single`` and ``ddp`` (issue 35's goal:
 >= 1.2x); the compiled side's first step (its compilation) is outside its tokens/s and in
-``extra.compile_seconds``; the same in bf16 autocast (``-bf16``: the matrix products run
-about three times faster on a CPU with AVX-512 BF16, so the rest, what Inductor fuses, is a
-larger share of the step)."""
+``extra.compile_seconds``; the same in bf16 autocast (``-bf16``: the matrix products take
+less than half their fp32 time on a CPU with AVX-512 BF16, so the rest, what Inductor fuses,
+is a larger share of the step: docs/memory.md)."""
 from dataclasses import replace
 
 from shardwise.config.names import Strategy
