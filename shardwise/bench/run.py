@@ -83,7 +83,9 @@ def machine() -> dict:
             "processor": platform.processor() or platform.machine(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(), "dirty": dirty(),
-            "load": [round(x, 2) for x in os.getloadavg()]}
+            "load": [round(x, 2) for x in os.getloadavg()],
+            # glibc's allocator settings change a step's time (bench/malloc_cost.py) and RSS
+            "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}
 
 
 @functools.lru_cache(maxsize=1)

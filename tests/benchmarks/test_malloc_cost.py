@@ -28,3 +28,12 @@ def test_bad_input_is_one_line_and_exit_2(argv, capsys):
     assert malloc_cost.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and argv[0] in err[0] and "must be at least 1" in err[0]
+
+
+def test_every_result_records_the_allocator_settings(monkeypatch):
+    """A result's machine says which MALLOC_* variables its run had (none: an empty dict)."""
+    from shardwise.bench.run import machine
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert "MALLOC_MMAP_THRESHOLD_" not in machine()["malloc"]
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert machine()["malloc"]["MALLOC_MMAP_THRESHOLD_"] == "131072"
