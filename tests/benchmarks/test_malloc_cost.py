@@ -13,12 +13,13 @@ pytestmark = pytest.mark.timeout(180)
 def test_the_variable_makes_every_step_fault_its_tensors_in(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")    # must not leak into "without"
-    assert malloc_cost.main(["--size", "3m", "--rounds", "1", "--steps", "2"]) == 0
+    assert malloc_cost.main(["--size", "3m", "--rounds", "1", "--steps", "3"]) == 0
     out = json.loads((tmp_path / "malloc-cost-3m.json").read_text())
     for precision in ("no", "bf16"):
         r = out[precision]
         # 3.3M GPT, batch 8 x 128: its activations and gradients are 128 KiB to 1 MiB each
-        assert r["with"]["faults_last_step"] > 3 * r["without"]["faults_last_step"]
+        # every step with it faults its tensors in; without it, some step reuses the heap
+        assert r["with"]["faults_fewest_step"] > 3 * r["without"]["faults_fewest_step"]
         assert r["slowdown"] == pytest.approx(r["with"]["step_s"] / r["without"]["step_s"])
     assert out["machine"]["commit"] is None or len(out["machine"]["commit"]) >= 7
 
