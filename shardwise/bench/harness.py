@@ -15,11 +15,14 @@ machine's speed hits both equally, and reports medians and ratios ours / peer.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from shardwise.config.names import Strategy
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")     # the committed, cited results
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,5 @@ def script_parser(prog: str, doc: str):
 def result_path(name: str, save: bool) -> str:
     """Where a script writes ``name``: the committed shardwise/bench/results/ with ``--save``,
     else ``$TMPDIR`` (default /tmp), so a casual run never overwrites the cited figures."""
-    import os
-    folder = (os.path.join(os.path.dirname(__file__), "results") if save else
-              os.environ.get("TMPDIR", "/tmp"))
-    return os.path.join(folder, name)
+    return os.path.join(RESULTS if save else os.environ.get("TMPDIR", "/tmp"), name)
 

@@ -29,10 +29,9 @@ import time
 
 import torch
 
-from shardwise.bench.harness import Row
+from shardwise.bench.harness import RESULTS, Row
 from shardwise.launch.world import run_world
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 # --quick: every family at least once (single, ddp with world 1/2/4, zero1/2/3 and one 57M memory
 # row, tp, pp, a composed layout, the three ps modes with a straggler, the ring), 2 reps.
