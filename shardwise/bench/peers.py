@@ -53,15 +53,10 @@ def plain_loop_tokens_per_s(cfg, rank: int, world: int, wrap=None, steps: int = 
         if torch_defaults:      # what ours steps instead, on the same model and gradients
             x, y = data.batch(state["step"], b, rank, world)
             lm_loss(model(x), y).backward()
-            timings["ours_optimizer_step_s"] = optimizer_step_seconds(
-                same_optimizer(cfg, model.parameters()))
+            # after two warm-up steps, the first of which allocates the optimizer's states
+            timings["ours_optimizer_step_s"] = timed_steps(
+                same_optimizer(cfg, model.parameters()).step, 5, warmup=2)
     return b * cfg.model.block_size / dt
-
-
-def optimizer_step_seconds(opt, reps: int = 5, warmup: int = 2) -> float:
-    """Median seconds of ``opt.step()`` on the gradients already in place (after ``warmup``
-    steps, the first of which allocates the optimizer's states)."""
-    return timed_steps(opt.step, reps, warmup=warmup)
 
 
 def step_ceiling(step_s: float, optimizer_s: float, replacement_s: float) -> dict:
