@@ -70,8 +70,10 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
     cfg = sized_config(Strategy.DDP if world > 1 else Strategy.SINGLE, size, steps + 2)
     cfg = replace(cfg, memory=replace(cfg.memory, mixed_precision=precision, compile=compiled))
     data = build_data(cfg)
-    engine = shardwise.prepare(build_model(cfg.model, cfg.train.seed), optimizer_factory(cfg),
-                               cfg, loss_fn=lm_loss)
+    model = build_model(cfg.model, cfg.train.seed)
+    dtypes: list[torch.dtype] = []          # the dtype the forward's logits come out in (autocast's)
+    hook = model.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    engine = shardwise.prepare(model, optimizer_factory(cfg), cfg, loss_fn=lm_loss)
     b = cfg.train.batch_size                     # the global batch; engine.shard takes our rows
     phases: dict[str, list[float]] = defaultdict(list)
 
@@ -94,8 +96,11 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
 
     for i in range(2):
         one_step(i, False)
-    with torch.no_grad():               # the dtype the model's forward runs in (autocast's)
-        logits_dtype = str(engine(engine.shard(*data.batch(0, b, 0, 1))[0]).dtype)
+    hook.remove()
+    if not dtypes:
+        raise RuntimeError("profile_limit: the model's forward hook never fired; the engine "
+                           "no longer calls the module it was given")
+    logits_dtype = str(dtypes[-1])
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for i in range(2, steps + 2):
             one_step(i, True)
