@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 
 from shardwise.planner.published import BAND
-from shardwise.planner.replay import replay
+from shardwise.planner.replay import replay, table1 as replay_table1
+
+HEADROOMS = (0.0, 0.05, 0.10, 0.15)
+"""The GPU headrooms (catalogue.GPU_HEADROOM) whose Table 1 choices ``--save`` also records."""
 
 
 def _pct(x: float) -> str:
@@ -60,6 +63,34 @@ def recompute(rows: list[dict]) -> list[str]:
     return out
 
 
+def headroom_sensitivity() -> list[dict]:
+    """Table 1's choices (full recompute, and recompute free) at each of ``HEADROOMS``."""
+    out = []
+    for h in HEADROOMS:
+        rows = replay_table1(headroom=h)
+        out.append({"headroom": h, "top3_hits": sum(r["hit"] for r in rows),
+                    "model_parallel_sizes": [r["choice_model_parallel"] for r in rows],
+                    "either_top3_hits": sum(r["either_hit"] for r in rows),
+                    "either_model_parallel_sizes": [r["either_model_parallel"] for r in rows]})
+    return out
+
+
+def sensitivity(doc: dict) -> list[str]:
+    """The headroom table, where the document has one (older results do not)."""
+    if "headroom_sensitivity" not in doc:
+        return []
+    grows = lambda sizes: "yes" if all(a <= b for a, b in zip(sizes, sizes[1:])) else "no"
+    out = ["The same choices with other GPU headrooms (the share of memory a plan leaves "
+           "free; catalogue.GPU_HEADROOM):", "",
+           "| headroom | in top 3 (full recompute) | t x p never shrinks | in top 3 (recompute "
+           "free) | t x p never shrinks |", "|---" * 5 + "|"]
+    for h in doc["headroom_sensitivity"]:
+        out.append(f"| {h['headroom']:.0%} | {h['top3_hits']} | "
+                   f"{grows(h['model_parallel_sizes'])} | {h['either_top3_hits']} | "
+                   f"{grows(h['either_model_parallel_sizes'])} |")
+    return out + [""]
+
+
 def markdown(doc: dict) -> str:
     """The three tables and the summary, as docs/planner.md shows them."""
     s = doc["summary"]
@@ -72,7 +103,10 @@ def markdown(doc: dict) -> str:
              f"{', '.join(misses) or 'none'}); over everything it searches: "
              f"{s['free_top3_hits']} of {s['rows']}. Model-parallel size t x p of its choices: "
              f"{', '.join(str(m) for m in s['model_parallel_sizes'])} (never shrinks as the "
-             f"models grow: {'yes' if s['trend_holds'] else '**no**'}).", "",
+             f"models grow: {'yes' if s['trend_holds'] else '**no**'}). With recomputation "
+             f"also free to be off: {s['either_top3_hits']} of {s['rows']}, t x p "
+             f"{', '.join(str(m) for m in s['either_model_parallel_sizes'])} (never shrinks: "
+             f"{'yes' if s['either_trend_holds'] else 'no'}).", "", *sensitivity(doc),
              "Narayanan et al. 2021, Table 2 (ZeRO-3 without model parallelism against PTD-P, "
              "full recomputation):", "", *table2(doc["table2"]), "",
              "Korthikanti et al. 2022, Tables 3 and 5 (seconds per iteration; the full-recompute "
@@ -92,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="write shardwise/bench/results/planner_published.{json,md}")
     args = ap.parse_args(argv)
     from shardwise.bench.validate_planner import write_results
-    doc = replay()
+    doc = {**replay(), "headroom_sensitivity": headroom_sensitivity()}
     text = markdown(doc)
     write_results(args.save, "planner_published", {**doc, "table": text}, text)
     return 0

@@ -38,7 +38,9 @@ from shardwise.launch.calibrate_links import gpu_links, measure_links
 from shardwise.config import Config, ConfigError
 from shardwise.config.names import Strategy
 from shardwise.planner import Batch, Hardware, ModelSpec
+from shardwise.planner.catalogue import GPU_HEADROOM
 from shardwise.planner.units import fmt_bytes
+
 
 @dataclass(frozen=True)
 class Compute:
@@ -115,6 +117,7 @@ class Calibration:
             host_mem_bw=(c.optimizer_bw or c.mem_bw) if cpu else c.mem_bw,
             host_memory_bytes=_ram_bytes(),
             reserved_bytes=0 if cpu else 2**30, name=f"{self.device} (calibrated)",
+            headroom=0.0 if cpu else GPU_HEADROOM,   # allocator fragmentation (catalogue.py)
             comm_overlap=0.0 if cpu else 1.0,   # CPU ranks reduce on the cores they compute on
             collective_overhead=self.collective_overhead, optimizer_bw=c.optimizer_bw,
             allreduce_bw=self.shared_allreduce_bw if cpu and processes > 1 else 0.0,

@@ -32,6 +32,16 @@ from dataclasses import dataclass
 GIB = 2**30
 MIB = 2**20
 
+GPU_HEADROOM = 0.10
+"""Fraction of a GPU's memory for tensors that a plan leaves free: a layout fits when its
+estimate is at most 90% of ``memory - reserved``. Two reasons, neither a measurement of ours:
+the caching allocator fragments (the ZeRO paper, Rajbhandari et al. 2020, sec. 3.2, saw runs
+fail with over 30% of memory free in extreme cases), and the estimate itself is held only to
+within 10% of measured peaks (bench/validate_planner_memory.py). A plan at 97% of memory
+would run out on the machine. 0.05 ranks N21's Table 1 the same way (replay.py; docs/planner.md
+shows the count at 0, 0.05, 0.10 and 0.15). ``cpu``: 0 (glibc returns freed memory, and the
+CPU rows are checked against measured peaks directly)."""
+
 
 @dataclass(frozen=True)
 class Accelerator:
@@ -69,6 +79,8 @@ class Accelerator:
     activation_passes: float = 0.0
     """Times a block's non-GEMM kernels move its activation bytes through HBM (compute.py); 0
     where ``efficiency`` is a whole-layer rate (see the module docstring)."""
+    headroom: float = 0.0
+    """Fraction of the memory left for tensors that a plan keeps free (see ``GPU_HEADROOM``)."""
 
 
 def _gpu(name, mem, bf16, fp32, eff, hbm, nvlink, pcie_gen_bw, passes=0.0):
@@ -77,7 +89,7 @@ def _gpu(name, mem, bf16, fp32, eff, hbm, nvlink, pcie_gen_bw, passes=0.0):
                        peak_flops_fp32=fp32 * 1e12, efficiency=eff, mem_bw=hbm * 1e9,
                        nvlink_bw=None if nvlink is None else 0.8 * nvlink * 1e9,
                        pcie_bw=0.4 * pcie_gen_bw * 1e9, host_bw=0.7 * pcie_gen_bw * 1e9,
-                       reserved_bytes=1 * GIB, activation_passes=passes)
+                       reserved_bytes=1 * GIB, activation_passes=passes, headroom=GPU_HEADROOM)
 
 
 A100_GEMM, A100_PASSES = 0.82, 9.5

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--format", default="table", help="table | json")
     a("--top", default="5", help="rows in the ranking (default 5)")
     a("--memory", default=None, help="override: memory per device, e.g. 80GiB")
+    a("--headroom", default=None, help="override: fraction of device memory a plan leaves "
+      "free for allocator fragmentation (default 0.1 on GPUs, 0 on cpu)")
     a("--peak-tflops", default=None, help="override: dense 16-bit peak TFLOP/s per device")
     a("--efficiency", default=None, help="override: fraction of peak a layer reaches (0-1]")
     a("--intra-bw", default=None, help="override: per-device bandwidth in a node, e.g. 300GB/s")
@@ -96,7 +98,7 @@ def _fraction(text: str, field: str) -> float:
         value = -1.0
     if not 0 <= value < 1:
         raise PlanError(field, text, "is not a fraction in [0, 1)",
-                        f"give --{field} as e.g. 0.1 (10%), or 0 for no ties")
+                        f"give --{field} as e.g. 0.1 (10%), or 0 for none")
     return value
 
 
@@ -111,6 +113,8 @@ def _overrides(args: argparse.Namespace) -> dict:
     out: dict = {}
     if args.memory:
         out["memory_bytes"] = parse_bytes(args.memory, "memory")
+    if args.headroom is not None:
+        out["headroom"] = _fraction(args.headroom, "headroom")
     if args.peak_tflops:
         out["peak_flops"] = parse_count(args.peak_tflops, "peak-tflops") * 1e12
     if args.efficiency:

@@ -41,6 +41,9 @@ class Hardware:
     """Seconds per ring step between nodes."""
     reserved_bytes: int = 0
     """Device memory tensors cannot use (CUDA context, workspaces)."""
+    headroom: float = 0.0
+    """Fraction of ``memory_bytes - reserved_bytes`` a plan leaves free (catalogue.GPU_HEADROOM:
+    allocator fragmentation and the estimate's own band); ``usable_memory`` is the rest."""
     block_overhead: float = 0.0
     """Fixed seconds per transformer block per micro-batch (launches, dispatch), fwd + bwd."""
     gemm_latency: float = 0.0
@@ -113,6 +116,9 @@ class Hardware:
                             f"leaves nothing for tensors: the device reserves "
                             f"{fmt_bytes(self.reserved_bytes)} (CUDA context, workspaces)",
                             "give the device's whole memory, e.g. --memory 80GiB")
+        if self.headroom >= 1:
+            raise PlanError("headroom", self.headroom, "is not below 1",
+                            "give the fraction of device memory a plan leaves free, e.g. 0.1")
         if self.comm_overlap > 1:
             raise PlanError("comm_overlap", self.comm_overlap, "is above 1",
                             "give the fraction of compute that can hide communication, 0 to 1")
@@ -127,8 +133,8 @@ class Hardware:
 
     @property
     def usable_memory(self) -> int:
-        """Device memory left for tensors."""
-        return self.memory_bytes - self.reserved_bytes
+        """Device memory a plan may fill: less the reserved part, less the headroom."""
+        return int((self.memory_bytes - self.reserved_bytes) * (1 - self.headroom))
 
     def peak(self, precision: str) -> float:
         """Data-sheet FLOP/s of one device for ``precision`` (the MFU denominator)."""
@@ -205,7 +211,7 @@ class Hardware:
                  inter_latency=net.latency, reserved_bytes=acc.reserved_bytes,
                  host_bw=acc.host_bw, block_overhead=acc.block_overhead,
                  gemm_latency=acc.gemm_latency, activation_passes=acc.activation_passes,
-                 name=acc.name,
+                 headroom=acc.headroom, name=acc.name,
                  interconnect=link, network=net.name)
         return replace(hw, **overrides) if overrides else hw
 

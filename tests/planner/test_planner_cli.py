@@ -64,6 +64,8 @@ def test_global_batch_in_tokens_and_overrides(capsys):
     (["--model", "175B", "--disk-bw", "fast"], "--disk-bw"),
     (["--model", "175B", "--disk-bw", "0GB/s"], "--disk-bw"),
     (["--model", "175B", "--disk-size", "-4TB"], "--disk-size"),
+    (["--model", "175B", "--headroom", "1.5"], "--headroom"),
+    (["--model", "175B", "--headroom", "some"], "--headroom"),
     (["--model", "175B", "--bogus"], "--bogus"),
     (["--model"], "--model"),
     ([], "--model"),
@@ -75,6 +77,19 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, flag):
     assert len(lines) == 1 and lines[0].startswith(f"error: {flag}: value ")
     assert "; fix: " in lines[0] and "Traceback" not in captured.err
     assert captured.out == ""
+
+
+def test_headroom_is_what_a_plan_may_not_fill(capsys):
+    """A GPU plan leaves catalogue.GPU_HEADROOM of the memory free (allocator fragmentation),
+    ``--headroom 0`` gives it back; the JSON says which, and the winner stays under it."""
+    argv = ["--model", "7B", "--gpu", "h100-80gb", "--gpus-per-node", "1", "--format", "json"]
+    for extra, headroom in (([], 0.1), (["--headroom", "0"], 0.0)):
+        assert main(argv + extra) == 0
+        doc = json.loads(capsys.readouterr().out)
+        hw = doc["hardware"]
+        assert hw["headroom"] == headroom
+        usable = (hw["memory_bytes"] - hw["reserved_bytes"]) * (1 - headroom)
+        assert sum(doc["winner"]["memory"].values()) <= usable
 
 
 def test_nothing_fits_returns_1(capsys):

@@ -92,15 +92,21 @@ def test_table1_throughput_of_the_papers_layouts_within_the_band(doc):
 def test_table1_choices_stay_in_the_published_top3(doc):
     """The rows whose choice is in the published top 3 today stay so (a regression check)."""
     hits = {r["model"] for r in doc["table1"] if r["hit"]}
-    assert hits >= {"1.7B", "3.6B", "7.5B", "76.1B", "145.6B", "310.1B", "1008.0B"}, hits
+    assert hits >= {"1.7B", "3.6B", "7.5B", "18.4B", "76.1B", "310.1B", "529.6B", "1008.0B"}, hits
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 item 6's goal, 8 of 10 in the published top 3, "
-                   "is not met: 18.4B and 39.1B choose t = 2-4 with p = 4 (the paper's (8, 1) "
-                   "and (8, 2) estimate 12-13% slower, outside the 10% tie band), 529.6B "
-                   "(8, 15) (ties (8, 35) within 2%); docs/planner.md, 'Published runs'")
 def test_table1_top3_goal(doc):
     assert doc["summary"]["top3_hits"] >= pub.TOP3_GOAL
+
+
+def test_the_goal_needs_the_headroom():
+    """Without catalogue.GPU_HEADROOM the planner fills A100s to 97% and chooses shallower
+    pipelines than the paper (529.6B at (8, 15), 82 of 85 GB): fewer rows in the top 3. The
+    headroom, not a retuned tie, is what moves them."""
+    from shardwise.planner.replay import table1
+    rows = {r["model"]: r for r in table1(headroom=0.0)}
+    assert sum(r["hit"] for r in rows.values()) < pub.TOP3_GOAL
+    assert rows["529.6B"]["choice_tp_pp"] == [8, 15]
 
 
 def test_more_model_parallelism_as_the_models_grow(doc):
