@@ -32,15 +32,16 @@ from dataclasses import dataclass
 GIB = 2**30
 MIB = 2**20
 
-GPU_HEADROOM = 0.10
+GPU_HEADROOM = 0.05
 """Fraction of a GPU's memory for tensors that a plan leaves free: a layout fits when its
-estimate is at most 90% of ``memory - reserved``. Two reasons, neither a measurement of ours:
-the caching allocator fragments (the ZeRO paper, Rajbhandari et al. 2020, sec. 3.2, saw runs
-fail with over 30% of memory free in extreme cases), and the estimate itself is held only to
-within 10% of measured peaks (bench/validate_planner_memory.py). A plan at 97% of memory
-would run out on the machine. 0.05 ranks N21's Table 1 the same way (replay.py; docs/planner.md
-shows the count at 0, 0.05, 0.10 and 0.15). ``cpu``: 0 (glibc returns freed memory, and the
-CPU rows are checked against measured peaks directly)."""
+estimate is at most 95% of ``memory - reserved``. Why: the caching allocator fragments (the
+ZeRO paper, Rajbhandari et al. 2020, sec. 3.2, saw runs fail with over 30% of memory free in
+extreme cases), so a plan at 97% of memory would run out on the machine. Why not more: N21
+Table 2's ZeRO-3 run of 529.6B on 1,120 GPUs ran, and it is 90.3% of its A100 in the planner's
+count, so a headroom of 10% would refuse a run that was made. A guess inside those bounds, not
+a measurement of ours; docs/planner.md ("Published runs") shows Table 1's choices at 0, 5, 10
+and 15%. ``cpu``: 0 (glibc returns freed memory, and the CPU rows are checked against
+measured peaks directly)."""
 
 
 @dataclass(frozen=True)

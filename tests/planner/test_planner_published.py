@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 
+from shardwise.config.names import Strategy
 from shardwise.planner import Batch, Layout, estimate
 from shardwise.planner import published as pub
 from shardwise.planner.compute import elementwise_seconds
@@ -107,6 +108,14 @@ def test_the_goal_needs_the_headroom():
     rows = {r["model"]: r for r in table1(headroom=0.0)}
     assert sum(r["hit"] for r in rows.values()) < pub.TOP3_GOAL
     assert rows["529.6B"]["choice_tp_pp"] == [8, 15]
+
+
+def test_the_headroom_refuses_no_zero3_run_that_was_made_within_it(doc):
+    """catalogue.GPU_HEADROOM's upper bound: DeepSpeed ran 529.6B's ZeRO-3 on 1,120 and 2,240
+    GPUs (N21 Table 2), so the planner must not call those out of memory. (The 640-GPU row
+    is over the memory in the planner's count whatever the headroom: docs/planner.md.)"""
+    ran = [r for r in doc["table2"] if r["scheme"] == Strategy.ZERO3 and r["gpus"] >= 1120]
+    assert ran and all(r["fits"] for r in ran), [(r["model"], r["gpus"]) for r in ran]
 
 
 def test_more_model_parallelism_as_the_models_grow(doc):
