@@ -282,8 +282,10 @@ def _why_not(mem, hw: Hardware) -> str:
     """Empty when device, host and disk memory suffice (and, under eager init, the host holds
     the whole model per rank at start-up), else which one runs out, by how much."""
     if mem.total > hw.usable_memory:
+        left = (f" (the {1 - hw.headroom:.0%} a plan may fill: --headroom)"
+                if hw.headroom else "")
         return (f"memory: needs {fmt_bytes(mem.total)} per device ({mem.role}), "
-                f"has {fmt_bytes(hw.usable_memory)}")
+                f"has {fmt_bytes(hw.usable_memory)}{left}")
     if mem.host_per_node > hw.host_memory_bytes:
         return (f"host memory: offload needs {fmt_bytes(mem.host_per_node)} per node, "
                 f"has {fmt_bytes(hw.host_memory_bytes)}")
