@@ -15,7 +15,9 @@ sides ``--rounds`` times (A B A B), and profiles ``--steps`` steps of each with
 ``torch.profiler`` (CPU activities) after two untimed ones. It reports, per side, per step:
 
 - the wall time of the step and of its phases (``forward`` = forward + loss, ``backward``,
-  ``step`` = the gradient sync's wait + the optimizer), medians over the profiled steps;
+  ``step`` = the gradient sync's wait + the optimizer), medians over the profiled steps, and
+  the minor page faults of each (``minor_faults``, ``getrusage``: the first touch of memory
+  the allocator took from the kernel, on rank 0);
 - each operator's self time (torch's own ops, gloo's ``gloo:all_reduce`` and the
   shared-memory allreduce's ``shm:*`` ranges, the optimizer's ``Optimizer.step#*`` range),
   summed per step on rank 0 (every DDP rank runs the same ops on its half of the batch);
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -77,22 +80,32 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
     b = cfg.train.batch_size                     # the global batch; engine.shard takes our rows
     phases: dict[str, list[float]] = defaultdict(list)
 
+    faults: dict[str, list[int]] = defaultdict(list)
+
+    def minflt() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
     def one_step(i: int, timed: bool) -> None:
         x, y = engine.shard(*data.batch(i, b, 0, 1))
-        marks = [time.perf_counter()]
+        marks, counts = [time.perf_counter()], [minflt()]
         with record_function("forward"):
             loss = engine.loss(x, y)
         marks.append(time.perf_counter())
+        counts.append(minflt())
         with record_function("backward"):
             engine.backward(loss)
         marks.append(time.perf_counter())
+        counts.append(minflt())
         with record_function("step"):
             engine.step()
         marks.append(time.perf_counter())
+        counts.append(minflt())
         if timed:
-            for name, a, z in zip(PHASES, marks, marks[1:]):
+            for name, a, z, fa, fz in zip(PHASES, marks, marks[1:], counts, counts[1:]):
                 phases[name].append(z - a)
+                faults[name].append(fz - fa)
             phases["total"].append(marks[-1] - marks[0])
+            faults["total"].append(counts[-1] - counts[0])
 
     for i in range(2):
         one_step(i, False)
@@ -122,6 +135,7 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
     return {"threads": torch.get_num_threads(), "rows_per_rank": b // world,
             "logits_dtype": logits_dtype,
             "phases": {k: statistics.median(v) for k, v in phases.items()},
+            "minor_faults": {k: statistics.median(v) for k, v in faults.items()},
             "ops_s_per_step": dict(ops), "ranges_s_per_step": ranges,
             "weight_casts_s_per_step": weight_casts}
 
@@ -187,6 +201,8 @@ def _median_side(runs: list[dict]) -> dict:
             "weight_casts_s_per_step": statistics.median(r["weight_casts_s_per_step"] for r in runs),
             "phases": {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]},
             "phase_runs": {k: [r["phases"][k] for r in runs] for k in runs[0]["phases"]},
+            "minor_faults": {k: statistics.median(r["minor_faults"][k] for r in runs)
+                             for k in runs[0]["minor_faults"]},
             "ops_s_per_step": {k: statistics.median(r["ops_s_per_step"].get(k, 0.0) for r in runs)
                                for k in keys},
             "ranges_s_per_step": {k: statistics.median(r["ranges_s_per_step"].get(k, 0.0)
@@ -196,10 +212,12 @@ def _median_side(runs: list[dict]) -> dict:
 
 def _table(result: dict) -> str:
     d, o = result["ddp"], result["one"]
-    lines = ["| phase | DDP rank 0 (s) | one process (s) | DDP - one (s) |", "|---|---|---|---|"]
+    lines = ["| phase | DDP rank 0 (s) | one process (s) | DDP - one (s) | minor page faults, "
+             "DDP rank 0 / one process |", "|---|---|---|---|---|"]
     for k in (*PHASES, "total"):
         lines.append(f"| {k} | {d['phases'][k]:.3f} | {o['phases'][k]:.3f} | "
-                     f"{d['phases'][k] - o['phases'][k]:+.3f} |")
+                     f"{d['phases'][k] - o['phases'][k]:+.3f} | "
+                     f"{d['minor_faults'][k]:,.0f} / {o['minor_faults'][k]:,.0f} |")
     lines += ["", "| range (with what it ran) | DDP rank 0 (s/step) | one process (s/step) |",
               "|---|---|---|"]
     for k in sorted(set(d["ranges_s_per_step"]) | set(o["ranges_s_per_step"])):
