@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from shardwise.planner.published import BAND
-from shardwise.planner.replay import replay, table1 as replay_table1
+from shardwise.planner.replay import never_shrinks, replay, table1 as replay_table1
 
 HEADROOMS = (0.0, 0.05, 0.10, 0.15)
 """The GPU headrooms (catalogue.GPU_HEADROOM) whose Table 1 choices ``--save`` also records."""
@@ -79,7 +79,7 @@ def sensitivity(doc: dict) -> list[str]:
     """The headroom table, where the document has one (older results do not)."""
     if "headroom_sensitivity" not in doc:
         return []
-    grows = lambda sizes: "yes" if all(a <= b for a, b in zip(sizes, sizes[1:])) else "no"
+    grows = lambda sizes: "yes" if never_shrinks(sizes) else "no"
     out = ["The same choices with other GPU headrooms (the share of memory a plan leaves "
            "free; catalogue.GPU_HEADROOM):", "",
            "| headroom | in top 3 (full recompute) | t x p never shrinks | in top 3 (recompute "

@@ -14,6 +14,7 @@ import argparse
 import re
 import sys
 
+from shardwise.planner.catalogue import GPU_HEADROOM
 from shardwise.planner.errors import PlanError
 from shardwise.planner.hardware import Hardware
 from shardwise.planner.layout import CONVENTIONS, INITS, OPTIMIZERS, PRECISIONS, Batch
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--top", default="5", help="rows in the ranking (default 5)")
     a("--memory", default=None, help="override: memory per device, e.g. 80GiB")
     a("--headroom", default=None, help="override: fraction of device memory a plan leaves "
-      "free for allocator fragmentation (default 0.05 on GPUs, 0 on cpu)")
+      f"free for allocator fragmentation (default {GPU_HEADROOM} on GPUs, 0 on cpu)")
     a("--peak-tflops", default=None, help="override: dense 16-bit peak TFLOP/s per device")
     a("--efficiency", default=None, help="override: fraction of peak a layer reaches (0-1]")
     a("--intra-bw", default=None, help="override: per-device bandwidth in a node, e.g. 300GB/s")

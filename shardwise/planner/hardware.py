@@ -43,7 +43,7 @@ class Hardware:
     """Device memory tensors cannot use (CUDA context, workspaces)."""
     headroom: float = 0.0
     """Fraction of ``memory_bytes - reserved_bytes`` a plan leaves free (catalogue.GPU_HEADROOM:
-    allocator fragmentation and the estimate's own band); ``usable_memory`` is the rest."""
+    the caching allocator's fragmentation); ``usable_memory`` is the rest."""
     block_overhead: float = 0.0
     """Fixed seconds per transformer block per micro-batch (launches, dispatch), fwd + bwd."""
     gemm_latency: float = 0.0
