@@ -18,12 +18,7 @@ def ours(rank, world, steps):
     return ours_tokens_per_s(gpt_bench_config(Strategy.SINGLE, train={"steps": steps}), world)
 
 
-def peer(rank, world, steps):
-    cfg = gpt_bench_config(Strategy.SINGLE)
-    return {"items_per_s": plain_loop_tokens_per_s(cfg, rank, world, steps=steps - 2)}
-
-
-def peer_sized(rank, world, steps, size="3m"):
+def peer(rank, world, steps, size="3m"):
     """The plain loop on ours' optimizer (run/api.optimizer_factory: fused AdamW), at ``size``."""
     return {"items_per_s": plain_loop_tokens_per_s(_config(size), rank, world, steps=steps - 2)}
 
@@ -73,7 +68,7 @@ def ours_eager(rank, world, steps, strategy=Strategy.SINGLE, precision="no"):
 ROWS = [Row("single-vs-torch", ours, peer, world=1, args={"steps": 14},
             quick_args={"steps": 6},
             goal="ratio >= 0.98 (the loop costs nothing)", peer_name="plain PyTorch loop"),
-        Row("single-vs-torch-57m", ours_sized, peer_sized, world=1,
+        Row("single-vs-torch-57m", ours_sized, peer, world=1,
             args={"steps": 8, "size": "57m"}, quick_args={"steps": 5, "size": "57m"},
             goal="ratio >= 0.98 (the loop costs nothing)", peer_name="plain PyTorch loop"),
         Row("single-defaults-vs-torch-defaults", ours_sized, peer_torch_defaults, world=1,
