@@ -98,7 +98,6 @@ def parameters(cfg) -> int:
 
 def threads_for(world: int) -> None:
     """Share this machine's cores between the ranks of a world."""
-    import os
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
 
@@ -118,4 +117,3 @@ def result_path(name: str, save: bool) -> str:
     """Where a script writes ``name``: the committed shardwise/bench/results/ with ``--save``,
     else ``$TMPDIR`` (default /tmp), so a casual run never overwrites the cited figures."""
     return os.path.join(RESULTS if save else os.environ.get("TMPDIR", "/tmp"), name)
-

@@ -32,11 +32,10 @@ from dataclasses import replace
 import torch
 
 from shardwise.config.names import Axis, Strategy
-from shardwise.bench.harness import gpt_bench_config
+from shardwise.bench.harness import RESULTS, gpt_bench_config
 from shardwise.launch import auto as autoplan
 from shardwise.planner import Layout, estimate
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
 STATES = ("parameters", "gradients", "optimizer_states", "master_weights")
 MEM_GOAL, TIME_GOAL = 0.10, 0.25
 
