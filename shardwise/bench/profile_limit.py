@@ -82,30 +82,27 @@ def _profiled_loop(rank: int, world: int, size: str, steps: int, trace: str | No
 
     faults: dict[str, list[int]] = defaultdict(list)
 
-    def minflt() -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    def now() -> tuple[float, int]:
+        """The wall clock and this process's minor page faults so far."""
+        return time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     def one_step(i: int, timed: bool) -> None:
         x, y = engine.shard(*data.batch(i, b, 0, 1))
-        marks, counts = [time.perf_counter()], [minflt()]
+        marks = [now()]
         with record_function("forward"):
             loss = engine.loss(x, y)
-        marks.append(time.perf_counter())
-        counts.append(minflt())
+        marks.append(now())
         with record_function("backward"):
             engine.backward(loss)
-        marks.append(time.perf_counter())
-        counts.append(minflt())
+        marks.append(now())
         with record_function("step"):
             engine.step()
-        marks.append(time.perf_counter())
-        counts.append(minflt())
+        marks.append(now())
         if timed:
-            for name, a, z, fa, fz in zip(PHASES, marks, marks[1:], counts, counts[1:]):
-                phases[name].append(z - a)
-                faults[name].append(fz - fa)
-            phases["total"].append(marks[-1] - marks[0])
-            faults["total"].append(counts[-1] - counts[0])
+            spans = [*zip(PHASES, marks, marks[1:]), ("total", marks[0], marks[-1])]
+            for name, (t0, f0), (t1, f1) in spans:
+                phases[name].append(t1 - t0)
+                faults[name].append(f1 - f0)
 
     for i in range(2):
         one_step(i, False)
