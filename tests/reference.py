@@ -34,7 +34,12 @@ def tiny_config(strategy: str = "single", steps: int = 10, **parallel) -> Config
 def run(cfg: Config) -> tuple[list[float], dict]:
     """Train cfg in the current world (quietly); return (losses, full parameters)."""
     summary = train(cfg, init_runtime(cfg), quiet=True)
-    return summary["losses"], summary["engine"].full_state_dict()
+    engine = summary["engine"]
+    try:
+        return summary["losses"], engine.full_state_dict()
+    finally:          # its threads (dp's replicas, offload writers) must not outlive the test:
+        engine.close()   # run_world forks this process later, and a fork copies no thread
+
 
 
 def single_run(cfg: Config) -> tuple[list[float], dict]:

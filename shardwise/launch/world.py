@@ -6,16 +6,20 @@ parent's torch import, a spawned one costs ~4 s), joins them into a gloo world t
 per process, calls ``fn(rank, n, *args)`` in each and returns the list of return values (rank
 order). Results travel through files written with torch.save. A rank that raises makes the
 whole call raise with that rank's traceback; a world that does not finish within ``timeout``
-seconds is killed and the call raises, so a deadlock fails instead of hanging; when one rank
-fails, the others are killed at once (they would only wait for it).
+seconds is killed and the call raises, so a deadlock fails instead of hanging, with every hung
+rank's Python stacks (all threads, through faulthandler on SIGUSR1) in the error, so the
+collective each was waiting in is named; when one rank fails, the others are killed at once
+(they would only wait for it).
 
 Put several checks in one world: each world costs process start-up and rendezvous.
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -27,6 +31,8 @@ import torch.distributed as dist
 def _child(fn, rank, n, init_file, out_dir, args, env, backend="gloo"):
     os.environ.update(env)
     torch.set_num_threads(1)
+    stacks = open(os.path.join(out_dir, f"rank{rank}.stacks"), "w")   # kept open until exit
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         kwargs = {}
         if backend == "nccl":      # one GPU per rank (NCCL refuses two ranks on one device)
@@ -58,6 +64,20 @@ def _wait_all(procs, deadline: float) -> None:
         mp_connection.wait([p.sentinel for p in alive], timeout=left)
 
 
+def _stacks(procs, hung: list[int], tmp: str, wait: float = 1.0) -> str:
+    """Every hung rank's Python stacks: faulthandler dumps all threads from its C signal handler,
+    so a rank blocked inside a collective answers too."""
+    for r in hung:
+        os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(wait)
+    dumps = []
+    for r in hung:
+        path = os.path.join(tmp, f"rank{r}.stacks")
+        text = open(path).read().strip() if os.path.exists(path) else ""
+        dumps.append(f"--- rank {r} ---\n{text or '(no answer to SIGUSR1)'}")
+    return "\n".join(dumps)
+
+
 def run_world(fn, n: int, *args, timeout: float = 120.0, env: dict | None = None,
               backend: str = "gloo") -> list:
     """fn(rank, world_size, *args) in each of ``n`` processes joined over ``backend`` (gloo, or
@@ -77,6 +97,7 @@ def run_world(fn, n: int, *args, timeout: float = 120.0, env: dict | None = None
             p.start()
         _wait_all(procs, time.monotonic() + timeout)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        stacks = _stacks(procs, hung, tmp)
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -89,7 +110,8 @@ def run_world(fn, n: int, *args, timeout: float = 120.0, env: dict | None = None
         if errors:
             raise RuntimeError("a rank failed:\n" + "\n".join(errors))
         if hung:
-            raise TimeoutError(f"ranks {hung} did not finish within {timeout} s (deadlock?)")
+            raise TimeoutError(f"ranks {hung} did not finish within {timeout} s (deadlock?); "
+                               f"where each was:\n{stacks}")
         bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
         if bad:
             raise RuntimeError(f"ranks {bad} exited with codes {[procs[r].exitcode for r in bad]}")
