@@ -13,6 +13,7 @@ from dataclasses import replace
 from shardwise.config.names import Strategy
 from shardwise.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig
 from shardwise.run.runtime import init_runtime
+from shardwise.bench.harness import discard_run
 from shardwise.launch.world import run_world
 from shardwise.run.train import train
 
@@ -33,6 +34,7 @@ def _runs(rank, world, steps):
         cfg = replace(cfg, parallel=replace(cfg.parallel, grad_compression=c))
         s = train(cfg, init_runtime(cfg), quiet=True)
         out[c] = (s["losses"], s["engine"].full_state_dict())
+        discard_run(s)
     return out
 
 

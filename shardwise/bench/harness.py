@@ -45,6 +45,15 @@ def peak_rss() -> int:
     return peak_memory_bytes(torch.device("cpu"))
 
 
+def discard_run(summary: dict) -> None:
+    """After its figures are read: close a benchmark run's engine and remove its folder (its
+    final weights are 228 MB at 57M; a benchmark keeps its result JSON, not a model per side
+    and repetition)."""
+    import shutil
+    summary["engine"].close()
+    shutil.rmtree(summary["run_dir"], ignore_errors=True)
+
+
 def timed_steps(step_fn: Callable[[], None], steps: int, warmup: int = 2) -> float:
     """Median seconds per call of ``step_fn`` after ``warmup`` untimed calls."""
     import statistics

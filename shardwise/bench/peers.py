@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from shardwise.bench.harness import parameters, sized_config, threads_for, timed_steps
+from shardwise.bench.harness import discard_run, parameters, sized_config, threads_for, timed_steps
 from shardwise.data import build_data
 from shardwise.models import build_model, lm_loss
 
@@ -79,12 +79,14 @@ def torch_ddp_tokens_per_s(cfg, rank: int, world: int, bucket_mb: float = 25.0,
 
 
 def ours_tokens_per_s(cfg, world: int) -> dict:
-    """Run shardwise's own loop on cfg in the current world; its figures."""
+    """Run shardwise's own loop on cfg in the current world; its figures (the run's folder is
+    removed: harness.discard_run)."""
     from shardwise.run.runtime import init_runtime
     from shardwise.run.train import train
     threads_for(world)
     rt = init_runtime(cfg)
     s = train(cfg, rt, quiet=True)
+    discard_run(s)
     steps = s["steps"]
     extra = {"ledger": s["ledger"], "comm": s["comm"]}
     if s.get("compile_seconds") is not None:    # --compile: the first step's compilation

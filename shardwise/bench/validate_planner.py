@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 
 from shardwise.config.names import Axis, Strategy
-from shardwise.bench.harness import RESULTS, gpt_bench_config
+from shardwise.bench.harness import RESULTS, discard_run, gpt_bench_config
 from shardwise.launch import auto as autoplan
 from shardwise.planner import Layout, estimate
 
@@ -62,6 +62,7 @@ def _train(rank: int, world: int, cfg) -> dict:
     rt = init_runtime(cfg)
     summary = train(cfg, rt, quiet=True)
     ledger = {k: int(v) for k, v in summary["ledger"].items()}
+    discard_run(summary)
     return {"ledger": ledger, "throughput": summary["throughput"], "pp_rank": rt.mesh.pp_rank,
             "last_stage": rt.mesh.is_last_stage, "server": "replica_for_gather" in ledger}
 

@@ -198,6 +198,7 @@ def train(cfg: Config, runtime: Runtime | None = None, *, quiet: bool = False) -
     if data.kind == "tokens":   # after the summary: its gather is not the training's traffic
         _save_final(engine, out, main)   # every rank: gathering a sharded model is a collective
     summary["start_step"] = start
+    summary["run_dir"] = out          # this run's folder (metrics, final weights, summary)
     if cfg.memory.memory_report:      # every rank: the counterfactual forwards may communicate
         summary["memory_report"] = memreport.report(cfg, engine.strategy, x,
                                                     lambda v: _per_rank(rt, v))
