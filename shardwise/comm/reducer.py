@@ -3,10 +3,11 @@
 (shardwise/comm/ring.py, ``parallel.allreduce = ring``; on gloo the ring's reduce-scatter is
 ~3.5x faster than the backend's).
 
-``shm`` (and ``auto`` where it applies) serves the all-reduce from shared memory when every
-member runs on this host (shardwise/comm/shm.py; about half gloo's time on CPU, less again for
-tensors allocated in the shared mapping itself: ``shared_buffer``); reduce-scatter and
-all-gather stay native. ``auto`` takes it when every member is on one x86 CPU host and waits
+``shm`` (and ``auto`` where it applies) serves all three from shared memory when every member
+runs on this host (shardwise/comm/shm.py; the all-reduce about half gloo's time on CPU, less
+again for tensors allocated in the shared mapping itself: ``shared_buffer``; gloo's
+reduce-scatter all-reduces the whole tensor, the shared-memory one reads each slice once). Like
+the all-reduce, they run on the calling thread: a Work returned for them is already done. ``auto`` takes it when every member is on one x86 CPU host and waits
 by polling (``train.comm_wait``: each rank has cores of its own), else native. The choice is made
 at the first all-reduce, from every member's answers gathered once, so all members agree; an
 explicit ``shm`` that cannot apply stops with the reason.
@@ -29,8 +30,8 @@ KINDS = ("auto", "native", "ring", "shm")
 
 
 class Reducer:
-    """all_reduce / reduce_scatter / all_gather for one group, native, ring or shared memory
-    (all-reduce only), metered by name."""
+    """all_reduce / reduce_scatter / all_gather for one group, native, ring or shared memory,
+    metered by name."""
 
     def __init__(self, comm: Comm, group: Group, kind: str, device: torch.device | None = None):
         if kind not in KINDS:
@@ -38,9 +39,9 @@ class Reducer:
         self.comm, self.group, self.kind = comm, group, kind
         self.device = device if device is not None else torch.device("cpu")
         self.ring = RingRunner(comm) if kind == "ring" and group.size > 1 else None
-        self._shm: shm.ShmAllReduce | None | bool = None   # None: not decided yet; False: no
+        self._shm: shm.ShmCollectives | None | bool = None   # None: not decided yet; False: no
 
-    def _shared_memory(self) -> shm.ShmAllReduce | None:
+    def _shared_memory(self) -> shm.ShmCollectives | None:
         """The shared-memory all-reduce, decided (collectively) at the first call."""
         if self._shm is None:
             self._shm = False
@@ -48,7 +49,7 @@ class Reducer:
                 why = shm.unusable(self.comm, self.group, self.device,
                                    need_polling=self.kind == "auto")
                 if why is None:
-                    self._shm = shm.ShmAllReduce(self.comm, self.group)
+                    self._shm = shm.ShmCollectives(self.comm, self.group)
                 elif self.kind == "shm":
                     raise RuntimeError(f"parallel.allreduce = shm: {why}; fix: --allreduce auto "
                                        "(shared memory where it applies) or native")
@@ -61,6 +62,11 @@ class Reducer:
         carve it identically (same tensors at the same offsets)."""
         fast = self._shared_memory()
         return fast.share(nbytes) if fast is not None else None
+
+    def shared_memory(self) -> bool:
+        """Whether shared memory serves this group (decided collectively at the first call of
+        this or of any collective here: every member must ask at the same point)."""
+        return self._shared_memory() is not None
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -100,6 +106,10 @@ class Reducer:
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
                        name: str) -> Work:
         """out = the group's average of slice ``rank`` of ``inp`` (the ring overwrites inp)."""
+        fast = self._shared_memory()
+        if fast is not None and fast.serves(out, inp, summing=True):
+            fast.reduce_scatter(out, inp, name, op="avg")     # synchronous: already done
+            return DONE
         if self.ring is not None:
             work = self.ring.reduce_scatter(out, inp, self.group, op="avg", name=name)
             return self._finish(work, async_op)
@@ -109,6 +119,10 @@ class Reducer:
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool,
                    name: str) -> Work:
         """out (N*k elements) = every member's inp (k elements), in rank order."""
+        fast = self._shared_memory()
+        if fast is not None and fast.serves(out, inp, summing=False):
+            fast.all_gather(out, inp, name)                   # synchronous: already done
+            return DONE
         if self.ring is not None:
             return self._finish(self.ring.all_gather(out, inp, self.group, name=name), async_op)
         return self._finish(self.comm.all_gather(out, inp, self.group, async_op=async_op,

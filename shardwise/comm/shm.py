@@ -1,4 +1,5 @@
-"""Same-host shared-memory allreduce (``parallel.allreduce = shm``, or ``auto`` on one CPU host).
+"""Same-host shared-memory collectives: all-reduce (DDP), reduce-scatter and all-gather (ZeRO
+1-3), with ``parallel.allreduce = shm``, or ``auto`` on one CPU host.
 
 Why: gloo moves every byte of an allreduce through TCP sockets, even between processes on one
 machine. Measured here (13.3 MB, world 2, one thread per rank, after compute): gloo 18-19 ms,
@@ -26,6 +27,16 @@ barrier (every member has read slice r of ours: it may change again). Memory tra
 2.5 K bytes for a K-byte tensor at N = 2, against 5.5 K through the slots (each chunk copied in,
 summed, copied out). The price: each member reads the others' parts, so their pages count in
 its RSS too (shared pages: the machine holds each member's part once).
+
+Reduce-scatter (ZeRO's gradients, ``out`` = the group's sum or mean of slice ``rank`` of every
+member's ``inp``), through the slots, per round of ``m`` elements of each slice (a slot holds N
+of them): every member copies its N slices' next ``m`` elements into its slot; barrier; member r
+sums piece r of every slot (member order 0..N-1) into ``out``; barrier. Traffic per member: K
+bytes copied in, K read; the backend's (gloo's) reduce-scatter all-reduces the whole tensor.
+All-gather (ZeRO's updated parameters, ``out`` = every member's ``inp`` in rank order), per
+round of up to a slot: every member copies its piece into its slot; barrier; each copies every
+other member's piece out of the slots (its own from ``inp``, nothing where ``inp`` is already
+``out``'s piece r); barrier.
 
 Barrier: each member raises its own counter and polls the others' (the cores stay awake, as with
 ``train.comm_wait = spin``), backing off to 50 us sleeps after 1 ms so that ranks sharing cores
@@ -134,8 +145,9 @@ def map_shared(comm: Comm, group: Group, nbytes: int, prefix: str) -> torch.Tens
             os.unlink(path)
 
 
-class ShmAllReduce:
-    """Sum-allreduce of float CPU tensors among the members of ``group`` on this host."""
+class ShmCollectives:
+    """All-reduce, reduce-scatter and all-gather of CPU tensors among the members of ``group``
+    on this host (module docstring)."""
 
     def __init__(self, comm: Comm, group: Group, chunk_bytes: int = CHUNK_BYTES):
         self.comm, self.group, self.chunk = comm, group, chunk_bytes
@@ -154,7 +166,7 @@ class ShmAllReduce:
         and return this member's part, zeroed (uint8). Tensors viewed from it are all-reduced
         in place (module docstring). Once per object."""
         if self.parts is not None:
-            raise RuntimeError("ShmAllReduce.share: already shared once")
+            raise RuntimeError("ShmCollectives.share: already shared once")
         part = -(-nbytes // _LINE) * _LINE
         whole = map_shared(self.comm, self.group, part * self.group.size, "shardwise-grads-")
         self.parts = [whole[i * part:(i + 1) * part] for i in range(self.group.size)]
@@ -235,6 +247,81 @@ class ShmAllReduce:
             if i != r and z > a:
                 copies[r][a:z].copy_(copies[i][a:z])
         self._barrier(name)                       # every member has read our slice
+
+    def serves(self, out: torch.Tensor, inp: torch.Tensor, summing: bool) -> bool:
+        """Whether :meth:`reduce_scatter` (``summing``) or :meth:`all_gather` takes these
+        tensors: contiguous, one dtype (a float one to sum) and N x ``out`` or N x ``inp``."""
+        n = self.group.size
+        k = out.numel() if summing else inp.numel()
+        whole = inp if summing else out
+        return (out.is_contiguous() and inp.is_contiguous() and out.dtype == inp.dtype
+                and whole.numel() == n * k and self.chunk % inp.element_size() == 0
+                and (inp.dtype in SUMMABLE or not summing))
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, name: str,
+                       op: str = "avg") -> None:
+        """``out`` (k elements) = the group's sum (``avg``: divided by N) of every member's
+        slice ``rank`` of ``inp`` (N x k elements), through the slots (module docstring)."""
+        if op not in ("sum", "avg") or not self.serves(out, inp, summing=True):
+            raise ValueError(f"{name}: the shared-memory reduce-scatter sums or averages "
+                             f"contiguous float tensors, inp N x out (got {op!r}, {inp.dtype} "
+                             f"{inp.numel()} -> {out.dtype} {out.numel()})")
+        n, r, k = self.group.size, self.group.rank, out.numel()
+        done = self.comm.recording(name, self.group.ranks, inp.numel() * inp.element_size())
+        if done is SKIPPED:
+            return
+        t0 = time.perf_counter()
+        slices, dst = inp.view(n, k), out.view(-1)
+        per = self.chunk // inp.element_size() // n      # elements of each slice per round
+        slots = [self._region(i, inp.dtype) for i in range(n)]
+        with torch.profiler.record_function(f"shm:{name}"):
+            for a in range(0, k, per):
+                m = min(per, k - a)
+                slots[r][:n * m].view(n, m).copy_(slices[:, a:a + m])
+                self._barrier(name)
+                total = dst[a:a + m]       # may be inp's slice r: its round was copied above
+                torch.add(slots[0][r * m:(r + 1) * m], slots[1][r * m:(r + 1) * m], out=total)
+                for i in range(2, n):
+                    total.add_(slots[i][r * m:(r + 1) * m])
+                if op == "avg":
+                    total.div_(n)
+                self._barrier(name)                   # every member has read its pieces
+        vol = (n - 1) / n * inp.numel() * inp.element_size()
+        self.comm.meter.record(name, vol, vol, time.perf_counter() - t0)
+        if done is not None:
+            done()
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, name: str) -> None:
+        """``out`` (N x k elements) = every member's ``inp`` (k elements) in rank order, through
+        the slots (module docstring); ``inp`` may be ``out``'s piece ``rank``."""
+        if not self.serves(out, inp, summing=False):
+            raise ValueError(f"{name}: the shared-memory all-gather takes contiguous tensors of "
+                             f"one dtype, out N x inp (got {inp.dtype} {inp.numel()} -> "
+                             f"{out.dtype} {out.numel()})")
+        n, r, k = self.group.size, self.group.rank, inp.numel()
+        done = self.comm.recording(name, self.group.ranks, out.numel() * out.element_size())
+        if done is SKIPPED:
+            return
+        t0 = time.perf_counter()
+        src, pieces = inp.view(-1), out.view(n, k)
+        in_place = pieces[r].data_ptr() == src.data_ptr()
+        per = self.chunk // inp.element_size()
+        slots = [self._region(i, inp.dtype) for i in range(n)]
+        with torch.profiler.record_function(f"shm:{name}"):
+            for a in range(0, k, per):
+                m = min(per, k - a)
+                slots[r][:m].copy_(src[a:a + m])
+                self._barrier(name)
+                for i in range(n):
+                    if i != r:
+                        pieces[i, a:a + m].copy_(slots[i][:m])
+                    elif not in_place:
+                        pieces[i, a:a + m].copy_(src[a:a + m])
+                self._barrier(name)                   # every member has read our slot
+        vol = (n - 1) / n * out.numel() * out.element_size()
+        self.comm.meter.record(name, vol, vol, time.perf_counter() - t0)
+        if done is not None:
+            done()
 
     def _through_slots(self, t: torch.Tensor, name: str, average: bool) -> None:
         """All-reduce ``t`` chunk by chunk through the slots (module docstring)."""

@@ -107,7 +107,8 @@ class ParallelConfig:
     cp_impl: str = _f("ring", "context parallelism's attention: ring = keys and values passed "
                       "round the cp ranks (p2p); ulysses = all-to-all from sequence- to "
                       "head-split and back (heads must divide by cp)", ("ring", "ulysses"))
-    allreduce: str = _f("auto", "gradient allreduce: native = the backend's own; ring = "
+    allreduce: str = _f("auto", "data parallelism's collectives (DDP's allreduce, ZeRO's "
+                        "reduce-scatter and all-gather): native = the backend's own; ring = "
                         "shardwise's ring; shm = through shared memory between the ranks of one "
                         "CPU host (about half gloo's time); auto = shm where every rank of the "
                         "group is on one x86 CPU host and polls (--comm-wait), else native",

@@ -10,9 +10,9 @@ the gradients (counted there) and its pipeline sends go through shared-memory ri
 ``shared``  same-host shared memory, mapped once and kept (persistent). Taken where the ranks
             of one x86 CPU host poll (``train.comm_wait``), which is exactly where a CPU
             calibration finds data parallelism's shared-memory allreduce
-            (``Hardware.allreduce_bw > 0``). DDP's reducer (comm/shm.py): one 4 MiB slot per
-            member, a 4 MiB result region and a 64-byte counter per member, ``(N + 1) 4 MiB +
-            64 N``. A pipeline stage (comm/shm_p2p.py): a byte ring per ordered pair of
+            (``Hardware.allreduce_bw > 0``). DDP's and ZeRO's reducer (comm/shm.py, over the
+            dp group, ZeRO's shard group under HSDP): one 4 MiB slot per member, a 4 MiB
+            result region and a 64-byte counter per member, ``(N + 1) 4 MiB + 64 N``. A pipeline stage (comm/shm_p2p.py): a byte ring per ordered pair of
             neighbours it sends to or receives from (2 rings at pp = 2, 4 from pp = 3: the
             ring wraps for interleaving), each ``2 x`` one fp32 boundary activation
             ``(b, s / cp, h)``, at least 64 KiB, at most 4 MiB, whole pages, plus two 64-byte
@@ -43,14 +43,16 @@ the gradients (counted there) and its pipeline sends go through shared-memory ri
 ``backend`` what the backend allocates for ZeRO's collectives in flight, ``copies``
             (``Hardware.collective_copies``) times their whole tensors: gloo copies a
             reduce-scatter's input and gathers into a whole-size temporary (zero_memory.py),
-            NCCL does not (0). ZeRO-1: the whole G (every reduce-scatter in flight till the
+            NCCL and the same-host shared memory (where ``shared``) do not (0). ZeRO-1: the whole G (every reduce-scatter in flight till the
             step); ZeRO-2: the two buckets reducing; ZeRO-3: the unit in flight. ``copies > 0``
             also marks the CPU, where ZeRO-3 blocks its reduce-scatters.
 
-Measured (world 2, gloo, the benchmark GPT 4 x 256, fp32: G = 13.28 MB, a block U = 3.16 MB):
-DDP 12.58 MB (the region), ZeRO-1 19.92 (G/2 + G), ZeRO-2 26.56 (2G), ZeRO-3 12.62 (4U), pp
-1.05 (two 512 KiB rings), 3d at world 4 (no polling: gloo's p2p) 10.06 (the stage's G/2 + G);
-tests/planner/test_planner_buffers.py compares these formulas with real ledgers.
+Measured (world 2, gloo, the benchmark GPT 4 x 256, fp32: G = 13.28 MB, a block U = 3.16 MB),
+before ZeRO's collectives went through shared memory: DDP 12.58 MB (the region), ZeRO-1 19.92
+(G/2 + G), ZeRO-2 26.56 (2G), ZeRO-3 12.62 (4U), pp 1.05 (two 512 KiB rings), 3d at world 4
+(no polling: gloo's p2p) 10.06 (the stage's G/2 + G). Where shared memory now serves ZeRO,
+its region replaces the backend's copies. tests/planner/test_planner_buffers.py compares these
+formulas with real ledgers, whichever path each run took.
 """
 from __future__ import annotations
 
@@ -179,8 +181,8 @@ def shared_bytes(model: ModelSpec, layout: Layout, shared: bool) -> float:
     if not shared:
         return 0.0
     out = 0.0
-    group = layout.dp * layout.cp
-    if group > 1 and not layout.zero and not layout.num_ps:
+    group = layout.dp_shard if layout.zero else layout.dp * layout.cp     # the reducer's group
+    if group > 1 and not layout.num_ps:
         out += (group + 1) * SHM_CHUNK + group * LINE
     if layout.pp > 1:
         message = 4 * layout.micro_batch * (model.seq_len // layout.cp) * model.hidden

@@ -15,7 +15,8 @@ Per layout and step (``P_dev`` parameters per device, g / w bytes per gradient /
 m micro-batches, b micro-batch size):
 
 - DDP: one allreduce of ``g P_dev`` (in buckets; latency paid per bucket; inside one node at
-  ``Hardware.allreduce_bw`` where a faster same-host path serves it); across nodes the
+  ``Hardware.allreduce_bw`` where a faster same-host path serves it, as it serves ZeRO's
+  reduce-scatters and all-gathers); across nodes the
   faster of a flat ring and the hierarchical algorithm (intra-node reduce-scatter, inter-node
   ring on the shard, intra-node all-gather: ``dp_collective``), for ZeRO's collectives too;
 - ZeRO-1: reduce-scatter of the gradients + all-gather of the updated weights, once per step;
@@ -130,9 +131,11 @@ def group_collective(kind: str, k: float, n: int, stride: int, hw: Hardware,
     of a node sends at once), then (allreduce) an all-gather inside the node again."""
     g = hw.devices_per_node
     bw, alpha = hw.link(n, stride)
-    if kind == "ar" and hw.allreduce_bw and stride * n <= g:
-        bw = hw.allreduce_bw        # the same-host shared-memory allreduce (Hardware.allreduce_bw)
-    if hw.collective_copies:
+    if hw.allreduce_bw and stride * n <= g:
+        # the same-host shared-memory collectives (Hardware.allreduce_bw, comm/shm.py): the
+        # allreduce, and ZeRO's reduce-scatter and all-gather, each half its volume
+        bw = hw.allreduce_bw
+    elif hw.collective_copies:
         # a backend that copies (gloo) runs reduce-scatter and all-gather as an allreduce of a
         # whole-size buffer: measured at world 2 on 16 MiB, 28 and 18 ms against 17.5 ms
         kind = "ar"

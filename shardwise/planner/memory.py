@@ -237,6 +237,8 @@ def _device(model, layout, batch, stage, microbatches, hw: Hardware) -> tuple[di
     states, offloaded = model_states(p_dev, layout, batch)
     states["activations"] = stage_activations(model, layout, batch, stage, microbatches)
     copies, shared = hw.collective_copies, hw.allreduce_bw > 0
+    if shared and layout.zero and layout.dp_shard * layout.tp <= hw.devices_per_node:
+        copies = 0.0          # ZeRO's collectives through shared memory: no backend copies
     parts = buffer_parts(model, layout, batch, p_dev, copies, stage, shared)
     fwd = forward_buffers(model, layout, batch, p_dev, copies, stage)
     states["buffers"] = sum(parts.values())

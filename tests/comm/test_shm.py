@@ -1,5 +1,7 @@
-"""The shared-memory allreduce (comm/shm.py, ``parallel.allreduce = shm | auto``): the group's
-sum on every rank, bit-identical across ranks, over several chunks and uneven slices; tensors
+"""The shared-memory collectives (comm/shm.py, ``parallel.allreduce = shm | auto``): the
+all-reduce gives the group's sum on every rank, bit-identical across ranks, over several chunks
+and uneven slices; the reduce-scatter and all-gather (ZeRO's) give gloo's results over several
+rounds, also in place (``out`` = ``inp``'s piece ``rank``) and through the Reducer; tensors
 carved from the shared mapping (``share``) sum in place to the same bits as through the slots,
 and the others' copies are left as they were; no file left behind; a member that never comes fails at the timeout naming it; ``auto`` takes it only on
 one host with polling ranks, and an explicit ``shm`` that cannot apply says why."""
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 def _sums(rank, n):
     group = Mesh.build(1, n, 1).world
     comm = Comm(timeout=datetime.timedelta(seconds=60))
-    fast = shm.ShmAllReduce(comm, group, chunk_bytes=4096)      # 1,024 fp32 per chunk
+    fast = shm.ShmCollectives(comm, group, chunk_bytes=4096)      # 1,024 fp32 per chunk
     out = {}
     for dtype, numel in ((torch.float32, 2_501), (torch.bfloat16, 3_000), (torch.float64, 7)):
         gen = torch.Generator().manual_seed(100 + rank)
@@ -31,11 +33,50 @@ def _sums(rank, n):
         fast.all_reduce(x, "test_shm")
         out[str(dtype)] = (x, ref)
     out["meter"] = comm.meter.snapshot()["test_shm"]
+    out["rs"], out["ag"] = _scatters_and_gathers(rank, n, comm, group, fast)
     return out
 
 
+def _scatters_and_gathers(rank, n, comm, group, fast):
+    """Reduce-scatters (averaged, as ZeRO's gradients) and all-gathers of 1,023 elements per
+    member (a 4096-byte slot takes 1,024 // n of each slice a round, so 2-3 rounds, the last
+    short), fp32 and bf16, against gloo's; one of each in place; the Reducer's ``shm`` path."""
+    rs, ag = {}, {}
+    gen = torch.Generator().manual_seed(300 + rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        inp = torch.randn(n * 1_023, generator=gen).to(dtype)
+        ref = torch.empty(1_023, dtype=dtype)
+        comm.reduce_scatter(ref, inp.clone(), group, op="avg")
+        got = torch.empty(1_023, dtype=dtype)
+        fast.reduce_scatter(got, inp, "rs")
+        alias = inp.clone()                      # out = inp's own slice
+        fast.reduce_scatter(alias[rank * 1_023:(rank + 1) * 1_023], alias, "rs")
+        rs[str(dtype)] = (got, ref, alias[rank * 1_023:(rank + 1) * 1_023].clone())
+        piece = torch.randn(1_023, generator=gen).to(dtype)
+        ref = torch.empty(n * 1_023, dtype=dtype)
+        comm.all_gather(ref, piece, group)
+        got = torch.empty(n * 1_023, dtype=dtype)
+        fast.all_gather(got, piece, "ag")
+        whole = torch.zeros(n * 1_023, dtype=dtype)
+        whole[rank * 1_023:(rank + 1) * 1_023] = piece
+        fast.all_gather(whole, whole[rank * 1_023:(rank + 1) * 1_023], "ag")
+        ag[str(dtype)] = (got, ref, whole)
+    reducer = Reducer(comm, group, "shm")
+    inp = torch.randn(n * 10, generator=gen)
+    shard, whole = torch.empty(10), torch.empty(n * 10)
+    reducer.reduce_scatter(shard, inp.clone(), False, "zero_grad_rs")
+    reducer.all_gather(whole, shard, False, "zero_param_ag")
+    ref = torch.empty(10)
+    comm.reduce_scatter(ref, inp, group, op="avg")
+    rs["reducer"] = (shard, ref, shard)
+    ag["reducer"] = (whole, None, whole)
+    meter = comm.meter.snapshot()
+    return ({**rs, "meter": meter["rs"], "sm": reducer.uses_shared_memory},
+            {**ag, "meter": meter["ag"]})
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_shared_memory_sum_equals_gloo_and_is_the_same_on_every_rank(world):
+def test_shared_memory_collectives_equal_gloo_and_agree_on_every_rank(world):
     before = set(glob.glob("/dev/shm/shardwise-allreduce-*"))
     ranks = run_world(_sums, world, timeout=120)
     for key in ("torch.float32", "torch.bfloat16", "torch.float64"):
@@ -49,12 +90,27 @@ def test_shared_memory_sum_equals_gloo_and_is_the_same_on_every_rank(world):
     assert ranks[0]["meter"]["calls"] == 3
     assert ranks[0]["meter"]["bytes_sent"] == pytest.approx(2 * (world - 1) / world * k, abs=3)
     assert set(glob.glob("/dev/shm/shardwise-allreduce-*")) == before   # unlinked at once
+    for rank, out in enumerate(ranks):
+        for key in ("torch.float32", "torch.bfloat16"):
+            got, ref, alias = out["rs"][key]
+            assert torch.equal(got, alias)        # in place: the same bits
+            tol = 1e-2 if "bfloat16" in key else 1e-6      # summation order: member 0..N-1
+            torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+            got, ref, whole = out["ag"][key]
+            assert torch.equal(got, ref) and torch.equal(whole, ref)   # copies: exact
+        shard, ref, _ = out["rs"]["reducer"]
+        torch.testing.assert_close(shard, ref, rtol=1e-6, atol=1e-6)
+        whole = out["ag"]["reducer"][0]
+        assert torch.equal(whole, ranks[0]["ag"]["reducer"][0])
+        assert torch.equal(whole[10 * rank:10 * (rank + 1)], shard)
+        assert out["rs"]["sm"]                    # the Reducer's calls went through it
+    assert ranks[0]["rs"]["meter"]["calls"] == 4 and ranks[0]["ag"]["meter"]["calls"] == 4
 
 
 def _in_place(rank, n):
     group = Mesh.build(1, n, 1).world
     comm = Comm(timeout=datetime.timedelta(seconds=60))
-    fast = shm.ShmAllReduce(comm, group, chunk_bytes=4096)
+    fast = shm.ShmCollectives(comm, group, chunk_bytes=4096)
     part = fast.share(16_136 + 999 * 4)
     a = part[:2_501 * 4].view(torch.float32)                  # two tensors carved from it
     b = part[2_501 * 4 + 64:2_501 * 4 + 64 + 3_001 * 2].view(torch.bfloat16)
@@ -94,7 +150,7 @@ def test_tensors_in_the_shared_part_sum_in_place_to_the_slots_bits(world):
 
 
 def _shared_twice(rank, n):
-    fast = shm.ShmAllReduce(Comm(), Mesh.build(1, n, 1).world)
+    fast = shm.ShmCollectives(Comm(), Mesh.build(1, n, 1).world)
     fast.share(64)
     with pytest.raises(RuntimeError, match="already shared once"):
         fast.share(64)
@@ -108,7 +164,7 @@ def test_a_tensor_outside_the_part_goes_through_the_slots_and_share_is_once():
 def _one_never_comes(rank, n):
     group = Mesh.build(1, n, 1).world
     comm = Comm(timeout=datetime.timedelta(seconds=2))
-    fast = shm.ShmAllReduce(comm, group)
+    fast = shm.ShmCollectives(comm, group)
     if rank == 1:
         return "stayed away"
     try:

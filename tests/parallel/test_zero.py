@@ -92,7 +92,8 @@ def _check_traffic(r, stage, n, steps, itemsize=4):
     """Stages 1-2 send what one DDP allreduce sends; stage 3 sends 1.5x that."""
     sent = sum(r["comm"][op]["bytes_sent"] for op in ("zero_grad_rs", "zero_param_ag"))
     others = set(r["comm"]) - {"zero_grad_rs", "zero_param_ag", "zero_eval_ag", "metrics",
-                               "objects", "zero_broadcast"}   # start: rank 0's initial weights
+                               "objects", "zero_broadcast",   # start: rank 0's initial weights
+                               "barrier"}     # mapping the shared-memory region (comm/shm.py)
     assert not others, f"unexpected traffic {others}"
     k = r["padded"] * itemsize
     factor = 3 if stage == 3 else 2

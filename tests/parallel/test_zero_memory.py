@@ -10,7 +10,8 @@ Two independent checks in one world of 2 (tiny GPT, ~6 KB buckets, so there are 
   bucket's staging buffer lived until step(): the whole gradient, which each test checks is
   above the bound (so the bound bites);
 * the strategies' own accounting (``transient_peaks``), which the ledger reports: the same
-  bounds, and ``backend`` (gloo's whole-size copy per collective in flight) zero on the ring;
+  bounds, and ``backend`` (gloo's whole-size copy per collective in flight) zero on the ring
+  and through shared memory, which holds its region (``shared``) instead;
 * the ledger at the peak instant (parallel/ledger.py): saved activations, transient buffers and
   the gradient shards sampled together, so it lies between the larger of the two transient marks
   and the sum of every mark (they peak at different moments); every saved activation is
@@ -79,14 +80,18 @@ def _peaks(rank, n, runs):
 
 @pytest.fixture(scope="module")
 def world2():
-    runs = [("zero2", _cfg("zero2")), ("zero2-nooverlap", _cfg("zero2", overlap=False)),
-            ("zero2-ring", _cfg("zero2", allreduce="ring")), ("zero3", _cfg("zero3", 6)),
+    # gloo's collectives (native), shardwise's ring, and shared memory (which auto takes here)
+    native = {"allreduce": "native"}
+    runs = [("zero2", _cfg("zero2", **native)),
+            ("zero2-nooverlap", _cfg("zero2", overlap=False, **native)),
+            ("zero2-ring", _cfg("zero2", allreduce="ring")),
+            ("zero2-shm", _cfg("zero2", allreduce="shm")), ("zero3", _cfg("zero3", 6, **native)),
             # 6 blocks, so that two units + the shards stay below the whole gradient
-            ("zero3-nooverlap", _cfg("zero3", 6, overlap=False))]
+            ("zero3-nooverlap", _cfg("zero3", 6, overlap=False, **native))]
     return run_world(_peaks, 2, runs, timeout=240)[0]
 
 
-@pytest.mark.parametrize("tag", ["zero2", "zero2-nooverlap", "zero2-ring"])
+@pytest.mark.parametrize("tag", ["zero2", "zero2-nooverlap", "zero2-ring", "zero2-shm"])
 def test_zero2_holds_at_most_two_gradient_buckets(world2, tag):
     r = world2[tag]
     biggest, whole = max(r["sizes"]), sum(r["sizes"])
@@ -95,8 +100,11 @@ def test_zero2_holds_at_most_two_gradient_buckets(world2, tag):
     assert r["shards"] < r["live"]["grads"] <= bound
     assert 0 < r["peaks"]["staging"] <= 2 * biggest
     assert r["peaks"]["backend"] <= 2 * biggest
-    assert (r["peaks"]["backend"] == 0) == tag.endswith("ring")   # the ring works in place
-    assert r["ledger"]["comm_buffers"] == r["peaks"]["total"] <= 4 * biggest
+    # the ring and shared memory copy nothing whole; shared memory holds its region instead
+    assert (r["peaks"]["backend"] == 0) == tag.endswith(("ring", "shm"))
+    region = 3 * 4 * 2**20 + 2 * 64 if tag.endswith("shm") else 0    # (N + 1) slots, counters
+    assert r["peaks"]["shared"] == region
+    assert r["ledger"]["comm_buffers"] == r["peaks"]["total"] <= 4 * biggest + region
 
 
 @pytest.mark.parametrize("tag", ["zero3", "zero3-nooverlap"])
@@ -113,8 +121,8 @@ def test_zero3_holds_at_most_two_units_and_their_gradients(world2, tag):
     assert r["ledger"]["comm_buffers"] == r["peaks"]["total"] <= 3 * two
 
 
-@pytest.mark.parametrize("tag", ["zero2", "zero2-nooverlap", "zero2-ring", "zero3",
-                                 "zero3-nooverlap"])
+@pytest.mark.parametrize("tag", ["zero2", "zero2-nooverlap", "zero2-ring", "zero2-shm",
+                                 "zero3", "zero3-nooverlap"])
 def test_ledger_at_the_peak_instant(world2, tag):
     r, at = world2[tag], world2[tag]["at_peak"]
     act, comm, grads = (r["ledger"][k] for k in ("activations_peak", "comm_buffers", "gradients"))

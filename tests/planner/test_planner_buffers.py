@@ -67,7 +67,8 @@ def _rank(rank: int, world: int, names: list[str]) -> dict:
         for step in range(cfg.train.steps):
             engine.train_step(*data.batch(step, cfg.train.batch_size, index, count))
         s = engine.strategy
-        reducer = getattr(getattr(s, "grads", s), "reducer", None)
+        sync = getattr(s, "grads", s)            # DDP's reducer, ZeRO's collectives
+        reducer = getattr(sync, "reducer", None) or getattr(sync, "collectives", None)
         executor = getattr(s, "executor", None)
         shared = bool(reducer is not None and reducer.uses_shared_memory) or bool(
             executor is not None and executor.transport is not None)

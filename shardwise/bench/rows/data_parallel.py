@@ -90,8 +90,8 @@ def _sweep(world: int, kind: str, reps: int) -> dict:
     if kind == "ring":
         fn = lambda t: ring_all_reduce(comm, t, mesh.dp_group)
     elif kind == "shm":
-        from shardwise.comm.shm import ShmAllReduce
-        fast = ShmAllReduce(comm, mesh.dp_group)
+        from shardwise.comm.shm import ShmCollectives
+        fast = ShmCollectives(comm, mesh.dp_group)
         fn = lambda t: fast.all_reduce(t, "shm_all_reduce")
     else:
         fn = lambda t: comm.all_reduce(t, mesh.dp_group)

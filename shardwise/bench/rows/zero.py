@@ -1,5 +1,7 @@
 """ZeRO rows: stages 1-3 against PyTorch's own sharding (FSDP2 ``fully_shard`` per block then
-the root; ``ZeroRedundancyOptimizer`` under torch DDP), disk offload against none, and peak
+the root; ``ZeroRedundancyOptimizer`` under torch DDP), disk offload against none, the
+same-host shared-memory collectives against gloo's at 57M (``zero*-shm-vs-native-57m``), ZeRO-1
+at 57M against one process with both cores (the physical limit of data parallelism), and peak
 memory at 57M parameters (the ``*-memory-57m-*`` rows; shardwise/bench/memory.py has the method and
 the six-way table).
 
@@ -15,6 +17,7 @@ from shardwise.config.names import Strategy
 from shardwise.bench.harness import (Row, gpt_bench_config, parameters, sized_config,
                                      threads_for, timed_steps)
 from shardwise.bench.peers import ours_sized, ours_tokens_per_s, plain_loop_tokens_per_s
+from shardwise.bench.rows.data_parallel import one_process_two_threads_sized
 from shardwise.run.api import optimizer_kernel
 
 STEPS = 14
@@ -42,6 +45,18 @@ def zero2(rank, world, **parallel):
 
 def zero3(rank, world, **parallel):
     return _ours(Strategy.ZERO3, world, {}, **parallel)
+
+
+STAGES = {1: Strategy.ZERO1, 2: Strategy.ZERO2, 3: Strategy.ZERO3}
+
+
+def zero_sized(rank, world, stage=1, size="57m", steps=STEPS, **parallel):
+    """ZeRO-``stage`` at one of harness.SIZES (its collectives as ``parallel`` says)."""
+    return ours_sized(STAGES[stage], size, steps, world, **parallel)
+
+
+def zero_sized_native(rank, world, **args):
+    return zero_sized(rank, world, **{**args, "allreduce": "native"})
 
 
 def zero3_big(rank, world, offload="none", **parallel):
@@ -186,6 +201,18 @@ ROWS = [
           args={"size": size, "steps": steps}, series="size:zero3",
           goal="ratio >= 1.0; tokens/s and peak RSS against model size", peer_name=FSDP2)
       for size, steps in (("3m", 10), ("57m", 6), ("350m", 4))],
+    # ZeRO's reduce-scatters and all-gathers through the same-host shared memory (comm/shm.py),
+    # which --allreduce auto takes here, against gloo's, whose reduce-scatter all-reduces
+    *[Row(f"zero{stage}-shm-vs-native-57m", zero_sized, zero_sized_native, world=2,
+          args={"stage": stage, "size": "57m", "steps": 6, "allreduce": "shm"},
+          quick_args={"steps": 4}, peer_name=f"shardwise ZeRO-{stage}, gloo's collectives",
+          goal="effect of the shared-memory collectives (ratio > 1 means they help)")
+      for stage in (1, 2, 3)],
+    # issue 35 item 3's limit for ZeRO-1, which steps half the optimizer on each rank
+    Row("zero1-vs-one-process-57m", zero_sized, one_process_two_threads_sized, world=2,
+        peer_world=1, args={"stage": 1, "size": "57m", "steps": 8}, quick_args={"steps": 6},
+        goal="ratio >= 0.98 (ZeRO-1 world 2 against the 2-core limit)",
+        peer_name="one process, 2 threads, plain loop"),
     Row("zero3-ring-vs-fsdp2", zero3, fsdp2, world=2, args={"allreduce": "ring"}, goal=GOAL,
         peer_name=FSDP2),
     Row("zero3-vs-fsdp2-w4", zero3, fsdp2, world=4, args={}, goal=GOAL, peer_name=FSDP2,

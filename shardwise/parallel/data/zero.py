@@ -175,8 +175,8 @@ class ZeroStrategy(Strategy):
         self.collectives = Reducer(comm, self.group, cfg.parallel.allreduce, device)
         self._ring = self.collectives.ring
         # transient buffers (zero_memory.py): gloo's native collectives copy their whole buffer
-        self.memory = ZeroMemory(self._note_instant, backend_copies=self._ring is None
-                                 and self.group.size > 1 and device.type == "cpu")
+        self.memory = ZeroMemory(self._note_instant, backend_copies=self._backend_copies)
+        self._region_counted = False                   # the shared-memory region, once
         self._syncing = True
         self._ag_name = "zero_param_ag"
         self._grad_coef = None                         # clipping coefficient of this step
@@ -459,6 +459,21 @@ class ZeroStrategy(Strategy):
         self._reducing.append((c, work, temp, staging, mode, backend))
         if not async_op:
             self._retire(self._reducing.pop())      # already done: free the staging now
+
+    def _backend_copies(self) -> bool:
+        """Whether this group's reduce-scatters and all-gathers go through gloo's native
+        collectives, which copy the whole buffer; the ring, shared memory (comm/shm.py) and a
+        group of one do not. The first call decides the shared-memory path (a collective: every
+        rank asks before its first reduce-scatter or all-gather) and accounts its region, which
+        lives as long as the strategy."""
+        if self._ring is not None or self.group.size == 1 or self.device.type != "cpu":
+            return False
+        if not self.collectives.shared_memory():
+            return True
+        if not self._region_counted:
+            self._region_counted = True
+            self.memory.alloc("shared", self.collectives.nbytes())
+        return False
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool):
         """out = the dp axis's average of slice ``rank`` of ``inp`` (inp may be overwritten):

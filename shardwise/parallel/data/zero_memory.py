@@ -13,7 +13,10 @@ freed:
                input, and ``all_gather_into_tensor`` into a whole-size temporary (measured: a 50 MiB
                reduce-scatter or all-gather raises resident memory by 50 MiB, an in-place
                allreduce by 2 MiB); each lives from the launch until the collective is waited.
-               shardwise's ring (``--allreduce ring``) works in place: nothing is counted.
+               shardwise's ring (``--allreduce ring``) works in place, and so does shared
+               memory (comm/shm.py): nothing is counted.
+    shared     the shared-memory collectives' region ((N + 1) slots of 4 MiB, comm/shm.py),
+               from the first collective that decided to use it, for the rest of the run.
 
 ``comm_buffers`` is the high-water mark of all kinds together (``peaks()['total']``). Each
 change calls ``on_change`` (the strategy's parallel/ledger.py ``_note_instant``), which samples
@@ -26,15 +29,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-KINDS = ("staging", "gathered", "backend")
+KINDS = ("staging", "gathered", "backend", "shared")
 
 
 class ZeroMemory:
     """Transient bytes alive now and their high-water marks, by kind (module docstring)."""
 
-    def __init__(self, on_change: Callable[[], None], backend_copies: bool):
+    def __init__(self, on_change: Callable[[], None], backend_copies: Callable[[], bool]):
         self.on_change = on_change
-        self.backend_copies = backend_copies               # gloo's native collectives copy
+        self.backend_copies = backend_copies     # whether gloo's native collectives serve (copy)
         self.live = dict.fromkeys(KINDS, 0)                # transient bytes now, by kind
         self.peak = {**dict.fromkeys(KINDS, 0), "total": 0}   # their high-water marks
 
@@ -53,12 +56,12 @@ class ZeroMemory:
 
     def backend_bytes(self, nbytes: int) -> int:
         """Bytes the backend allocates for a reduce-scatter / all-gather over ``nbytes`` (the
-        whole, unsharded size): gloo's native collectives copy it; the ring and a group of one
-        do not (``backend_copies``)."""
-        return nbytes if self.backend_copies else 0
+        whole, unsharded size): gloo's native collectives copy it; the ring, shared memory and
+        a group of one do not (``backend_copies()``)."""
+        return nbytes if self.backend_copies() else 0
 
     def peaks(self) -> dict[str, int]:
         """High-water marks: ``staging`` (whole-size gradient buffers and temporaries),
         ``gathered`` (stage 3's whole units), ``backend`` (the backend's own copies),
-        ``total`` (all at once)."""
+        ``shared`` (the shared-memory region), ``total`` (all at once)."""
         return dict(self.peak)
