@@ -32,9 +32,10 @@ def _runs(rank, world, steps):
     for c in ("none", "bf16", "fp16"):
         cfg = _config(steps)
         cfg = replace(cfg, parallel=replace(cfg.parallel, grad_compression=c))
-        s = train(cfg, init_runtime(cfg), quiet=True)
+        rt = init_runtime(cfg)
+        s = train(cfg, rt, quiet=True)
         out[c] = (s["losses"], s["engine"].full_state_dict())
-        discard_run(s)
+        discard_run(s, rt)
     return out
 
 

@@ -45,13 +45,16 @@ def peak_rss() -> int:
     return peak_memory_bytes(torch.device("cpu"))
 
 
-def discard_run(summary: dict) -> None:
-    """After its figures are read: close a benchmark run's engine and remove its folder (its
-    final weights are 228 MB at 57M; a benchmark keeps its result JSON, not a model per side
-    and repetition)."""
+def discard_run(summary: dict, rt) -> None:
+    """After its figures are read, on every rank of the run's world: close the engine and
+    remove the run's folder (its final weights are 228 MB at 57M; a benchmark keeps its result
+    JSON, not a model per side and repetition). The ranks share the folder and rank 0 writes
+    into it last, so it goes once every rank is done (a barrier)."""
     import shutil
     summary["engine"].close()
-    shutil.rmtree(summary["run_dir"], ignore_errors=True)
+    rt.comm.barrier(rt.mesh.world)
+    if rt.is_main:
+        shutil.rmtree(summary["run_dir"], ignore_errors=True)
 
 
 def timed_steps(step_fn: Callable[[], None], steps: int, warmup: int = 2) -> float:

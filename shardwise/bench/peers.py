@@ -86,7 +86,7 @@ def ours_tokens_per_s(cfg, world: int) -> dict:
     threads_for(world)
     rt = init_runtime(cfg)
     s = train(cfg, rt, quiet=True)
-    discard_run(s)
+    discard_run(s, rt)
     steps = s["steps"]
     extra = {"ledger": s["ledger"], "comm": s["comm"]}
     if s.get("compile_seconds") is not None:    # --compile: the first step's compilation

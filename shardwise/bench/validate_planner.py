@@ -62,7 +62,7 @@ def _train(rank: int, world: int, cfg) -> dict:
     rt = init_runtime(cfg)
     summary = train(cfg, rt, quiet=True)
     ledger = {k: int(v) for k, v in summary["ledger"].items()}
-    discard_run(summary)
+    discard_run(summary, rt)
     return {"ledger": ledger, "throughput": summary["throughput"], "pp_rank": rt.mesh.pp_rank,
             "last_stage": rt.mesh.is_last_stage, "server": "replica_for_gather" in ledger}
 

@@ -38,7 +38,7 @@ def ps_run(rank, world, steps=STEPS, **parallel):
     meter = rt.comm.meter.snapshot()
     params = sum(p.numel() * p.element_size() for p in s["engine"].model.parameters())
     busiest = (meter["ps_push"]["bytes_recv"] + meter["ps_pull"]["bytes_sent"]) / steps
-    discard_run(s)
+    discard_run(s, rt)
     n = world - cfg.parallel.num_ps
     items = steps * cfg.train.batch_size * cfg.model.block_size
     return {"items_per_s": items / s["wall_seconds"], "bytes_sent": busiest,
