@@ -206,19 +206,24 @@ class ShmCollectives:
         if t.dtype not in SUMMABLE or not t.is_contiguous():
             raise ValueError(f"{name}: the shared-memory allreduce takes contiguous float "
                              f"tensors, got {t.dtype} (contiguous={t.is_contiguous()})")
-        n = self.group.size
-        done = self.comm.recording(name, self.group.ranks, t.numel() * t.element_size())
+        k = t.numel() * t.element_size()
+        off = self._offset(t)
+        if off is not None:
+            body = lambda: self._in_place(t, off, name, op == "avg")     # noqa: E731
+        else:
+            body = lambda: self._through_slots(t, name, op == "avg")     # noqa: E731
+        self._metered(name, k, 2 * (self.group.size - 1) / self.group.size * k, body)
+
+    def _metered(self, name: str, nbytes: int, vol: float, body) -> None:
+        """``body()`` as one collective of ``nbytes``: recorded (the flight recorder; a test
+        hook may skip it), inside a profiler range ``shm:name``, its time and ``vol`` bytes
+        each way metered under ``name``."""
+        done = self.comm.recording(name, self.group.ranks, nbytes)
         if done is SKIPPED:
             return
         t0 = time.perf_counter()
-        off = self._offset(t)
-        if off is not None:
-            with torch.profiler.record_function(f"shm:{name}"):
-                self._in_place(t, off, name, op == "avg")
-        else:
-            self._through_slots(t, name, op == "avg")
-        k = t.numel() * t.element_size()
-        vol = 2 * (n - 1) / n * k
+        with torch.profiler.record_function(f"shm:{name}"):
+            body()
         self.comm.meter.record(name, vol, vol, time.perf_counter() - t0)
         if done is not None:
             done()
@@ -267,14 +272,11 @@ class ShmCollectives:
                              f"contiguous float tensors, inp N x out (got {op!r}, {inp.dtype} "
                              f"{inp.numel()} -> {out.dtype} {out.numel()})")
         n, r, k = self.group.size, self.group.rank, out.numel()
-        done = self.comm.recording(name, self.group.ranks, inp.numel() * inp.element_size())
-        if done is SKIPPED:
-            return
-        t0 = time.perf_counter()
         slices, dst = inp.view(n, k), out.view(-1)
         per = self.chunk // inp.element_size() // n      # elements of each slice per round
         slots = [self._region(i, inp.dtype) for i in range(n)]
-        with torch.profiler.record_function(f"shm:{name}"):
+
+        def rounds() -> None:
             for a in range(0, k, per):
                 m = min(per, k - a)
                 slots[r][:n * m].view(n, m).copy_(slices[:, a:a + m])
@@ -286,10 +288,8 @@ class ShmCollectives:
                 if op == "avg":
                     total.div_(n)
                 self._barrier(name)                   # every member has read its pieces
-        vol = (n - 1) / n * inp.numel() * inp.element_size()
-        self.comm.meter.record(name, vol, vol, time.perf_counter() - t0)
-        if done is not None:
-            done()
+        whole = inp.numel() * inp.element_size()
+        self._metered(name, whole, (n - 1) / n * whole, rounds)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, name: str) -> None:
         """``out`` (N x k elements) = every member's ``inp`` (k elements) in rank order, through
@@ -299,15 +299,12 @@ class ShmCollectives:
                              f"one dtype, out N x inp (got {inp.dtype} {inp.numel()} -> "
                              f"{out.dtype} {out.numel()})")
         n, r, k = self.group.size, self.group.rank, inp.numel()
-        done = self.comm.recording(name, self.group.ranks, out.numel() * out.element_size())
-        if done is SKIPPED:
-            return
-        t0 = time.perf_counter()
         src, pieces = inp.view(-1), out.view(n, k)
         in_place = pieces[r].data_ptr() == src.data_ptr()
         per = self.chunk // inp.element_size()
         slots = [self._region(i, inp.dtype) for i in range(n)]
-        with torch.profiler.record_function(f"shm:{name}"):
+
+        def rounds() -> None:
             for a in range(0, k, per):
                 m = min(per, k - a)
                 slots[r][:m].copy_(src[a:a + m])
@@ -318,10 +315,8 @@ class ShmCollectives:
                     elif not in_place:
                         pieces[i, a:a + m].copy_(src[a:a + m])
                 self._barrier(name)                   # every member has read our slot
-        vol = (n - 1) / n * out.numel() * out.element_size()
-        self.comm.meter.record(name, vol, vol, time.perf_counter() - t0)
-        if done is not None:
-            done()
+        whole = out.numel() * out.element_size()
+        self._metered(name, whole, (n - 1) / n * whole, rounds)
 
     def _through_slots(self, t: torch.Tensor, name: str, average: bool) -> None:
         """All-reduce ``t`` chunk by chunk through the slots (module docstring)."""
@@ -330,20 +325,19 @@ class ShmCollectives:
         per = self.chunk // t.element_size()
         slots = [self._region(i, t.dtype) for i in range(n)]
         result = self._region(n, t.dtype)
-        with torch.profiler.record_function(f"shm:{name}"):   # named in a profile's trace
-            for start in range(0, flat.numel(), per):
-                piece = flat[start:start + per]
-                m = piece.numel()
-                slots[r][:m].copy_(piece)
-                self._barrier(name)
-                share = -(-m // n)
-                lo, hi = min(m, r * share), min(m, (r + 1) * share)
-                if hi > lo:
-                    out = result[lo:hi]
-                    torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
-                    for i in range(2, n):
-                        out.add_(slots[i][lo:hi])
-                    if average:
-                        out.div_(n)
-                self._barrier(name)
-                piece.copy_(result[:m])
+        for start in range(0, flat.numel(), per):
+            piece = flat[start:start + per]
+            m = piece.numel()
+            slots[r][:m].copy_(piece)
+            self._barrier(name)
+            share = -(-m // n)
+            lo, hi = min(m, r * share), min(m, (r + 1) * share)
+            if hi > lo:
+                out = result[lo:hi]
+                torch.add(slots[0][lo:hi], slots[1][lo:hi], out=out)
+                for i in range(2, n):
+                    out.add_(slots[i][lo:hi])
+                if average:
+                    out.div_(n)
+            self._barrier(name)
+            piece.copy_(result[:m])
