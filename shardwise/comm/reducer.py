@@ -6,11 +6,12 @@
 ``shm`` (and ``auto`` where it applies) serves all three from shared memory when every member
 runs on this host (shardwise/comm/shm.py; the all-reduce about half gloo's time on CPU, less
 again for tensors allocated in the shared mapping itself: ``shared_buffer``; gloo's
-reduce-scatter all-reduces the whole tensor, the shared-memory one reads each slice once). Like
-the all-reduce, they run on the calling thread: a Work returned for them is already done. ``auto`` takes it when every member is on one x86 CPU host and waits
-by polling (``train.comm_wait``: each rank has cores of its own), else native. The choice is made
-at the first all-reduce, from every member's answers gathered once, so all members agree; an
-explicit ``shm`` that cannot apply stops with the reason.
+reduce-scatter all-reduces the whole tensor, the shared-memory one reads each slice once). They
+run on the calling thread: a Work returned for them is already done, so they overlap nothing.
+``auto`` takes it when every member is on one x86 CPU host and waits by polling
+(``train.comm_wait``: each rank has cores of its own), else native. The choice is made at the
+first collective, from every member's answers gathered once, so all members agree; an explicit
+``shm`` that cannot apply stops with the reason.
 
 The ring is a sequence of blocking sends and receives; to overlap it with backward it runs on
 one background thread, which also keeps every rank's collectives in the order they were
@@ -42,7 +43,7 @@ class Reducer:
         self._shm: shm.ShmCollectives | None | bool = None   # None: not decided yet; False: no
 
     def _shared_memory(self) -> shm.ShmCollectives | None:
-        """The shared-memory all-reduce, decided (collectively) at the first call."""
+        """The shared-memory collectives, decided (collectively) at the first call."""
         if self._shm is None:
             self._shm = False
             if self.kind in ("auto", "shm") and self.group.size > 1:

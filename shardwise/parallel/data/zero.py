@@ -18,7 +18,10 @@ Traffic per step (K = bytes of the flat parameters, padded): stages 1 and 2 redu
 gradients ((N-1)/N K) and all-gather the updated parameters ((N-1)/N K): 2(N-1)/N K, the volume
 of one DDP allreduce. Stage 3 all-gathers each unit before its forward and again before its
 backward, and reduce-scatters its gradients: 3(N-1)/N K, 1.5x DDP. Padding: each chunk is
-rounded up to a multiple of N elements (at most N-1 extra per chunk).
+rounded up to a multiple of N elements (at most N-1 extra per chunk). The collectives go
+through the data-parallel reducer (comm/reducer.py, ``parallel.allreduce``): the backend's, the
+ring, or, between the polling ranks of one CPU host (``auto``'s choice there), shared memory
+(comm/shm.py), which copies nothing whole and runs on the calling thread.
 
 Chunks. A :class:`Chunk` is one flat, padded group of the model's *trainable* parameters (a
 gradient bucket in stages 1-2, about ``parallel.bucket_mb`` each, parameters in reverse order
