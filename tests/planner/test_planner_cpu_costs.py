@@ -117,8 +117,9 @@ def test_a_copying_backend_costs_an_allreduce_and_its_copies():
 
 def test_a_same_host_allreduce_path_speeds_only_the_allreduce():
     """Hardware.allreduce_bw (CPU ranks on one host sum through shared memory): DDP's allreduce
-    inside the node moves at that rate; ZeRO's reduce-scatter / all-gather, tensor parallelism
-    and pipeline sends keep the link's; 0 changes nothing."""
+    and ZeRO's reduce-scatter / all-gather (comm/shm.py serves all three) inside the node move
+    at that rate, the latter as half an allreduce, with no gloo copy; tensor parallelism and
+    pipeline sends keep the link's; 0 changes nothing."""
     base, shm = _cpu(2, collective_copies=1.0), _cpu(2, collective_copies=1.0, allreduce_bw=4e9)
     ddp = Layout(dp=2, micro_batch=4)
     k = 13e6
@@ -127,11 +128,14 @@ def test_a_same_host_allreduce_path_speeds_only_the_allreduce():
         comm.allreduce_time(k, 2, 4e9, alpha, 1))
     assert comm.dp_collective("ar", k, ddp, shm, 1) < comm.dp_collective("ar", k, ddp, base, 1)
     zero = Layout(dp=2, zero=2, micro_batch=4)
-    assert comm.dp_collective("rs", k, zero, shm, 1) == comm.dp_collective("rs", k, zero, base, 1)
+    assert comm.dp_collective("rs", k, zero, shm, 1) == pytest.approx(
+        comm.reduce_scatter_time(k, 2, 4e9, alpha, 1))
+    assert comm.dp_collective("rs", k, zero, base, 1) == pytest.approx(   # gloo: an allreduce
+        comm.allreduce_time(k, 2, bw, alpha, 1))
     tp = Layout(tp=2, micro_batch=8)
     assert comm.tp_time(tp, SPEC, shm, BATCH, 4) == comm.tp_time(tp, SPEC, base, BATCH, 4)
     assert estimate(ddp, SPEC, shm, BATCH).step_s < estimate(ddp, SPEC, base, BATCH).step_s
-    assert estimate(zero, SPEC, shm, BATCH).step_s == estimate(zero, SPEC, base, BATCH).step_s
+    assert estimate(zero, SPEC, shm, BATCH).step_s < estimate(zero, SPEC, base, BATCH).step_s
     # a group that spans nodes does not take a one-host path
     two_nodes = replace(shm, nodes=2, devices_per_node=1, inter_bw=1e9)
     assert comm.dp_collective("ar", k, ddp, two_nodes, 1) == pytest.approx(
