@@ -93,15 +93,17 @@ def run_world(fn, n: int, *args, timeout: float = 120.0, env: dict | None = None
         env = {"OMP_NUM_THREADS": "1", "SHARDWISE_CHECK_DEVICES": "1", **(env or {})}
         procs = [ctx.Process(target=_child, args=(fn, r, n, init_file, tmp, args, env, backend))
                  for r in range(n)]
-        for p in procs:
-            p.start()
-        _wait_all(procs, time.monotonic() + timeout)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        stacks = _stacks(procs, hung, tmp)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        try:
+            for p in procs:
+                p.start()
+            _wait_all(procs, time.monotonic() + timeout)
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+            stacks = _stacks(procs, hung, tmp)
+        finally:        # also when the caller is interrupted (pytest-timeout, Ctrl-C): a rank
+            for p in procs:   # left alive would make this process's exit wait for it forever
+                if p.is_alive():
+                    p.kill()
+                    p.join()
         errors = []
         for r in range(n):
             err = os.path.join(tmp, f"rank{r}.err")

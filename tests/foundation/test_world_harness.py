@@ -27,3 +27,27 @@ def test_a_hung_world_names_where_each_rank_waits():
     rank0, rank1 = text.split("--- rank 0 ---")[1].split("--- rank 1 ---")
     assert "in all_reduce" in rank0 and "_rank0_waits_alone" in rank0
     assert "in all_reduce" not in rank1 and "_rank0_waits_alone" in rank1
+
+
+def _sleeps(rank, n):
+    time.sleep(120)
+
+
+def test_an_interrupted_caller_leaves_no_rank_behind():
+    """pytest-timeout (or Ctrl-C) raises inside run_world's wait: the ranks are killed on the
+    way out. Left alive, multiprocessing joins them when this process exits: a CI run once
+    printed its summary and never exited."""
+    import multiprocessing
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_world(_sleeps, 2, timeout=60)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert multiprocessing.active_children() == []
