@@ -9,7 +9,7 @@ whole call raise with that rank's traceback; a world that does not finish within
 seconds is killed and the call raises, so a deadlock fails instead of hanging, with every hung
 rank's Python stacks (all threads, through faulthandler on SIGUSR1) in the error, so the
 collective each was waiting in is named; when one rank fails, the others are killed at once
-(they would only wait for it).
+(they would only wait for it), and so are all of them when the caller is interrupted.
 
 Put several checks in one world: each world costs process start-up and rendezvous.
 """
@@ -66,7 +66,9 @@ def _wait_all(procs, deadline: float) -> None:
 
 def _stacks(procs, hung: list[int], tmp: str, wait: float = 1.0) -> str:
     """Every hung rank's Python stacks: faulthandler dumps all threads from its C signal handler,
-    so a rank blocked inside a collective answers too."""
+    so a rank blocked inside a collective answers too. Nothing (and no wait) when none hung."""
+    if not hung:
+        return ""
     for r in hung:
         os.kill(procs[r].pid, signal.SIGUSR1)
     time.sleep(wait)
