@@ -1,6 +1,7 @@
 """Models we did not write, built small and random (never downloaded), for equivalence tests:
 a Hugging Face GPT-2 (tied lm_head / wte, dict-like ModelOutput), a Hugging Face Llama (RMSNorm,
-rotary, grouped-query attention) and a BatchNorm CNN (buffers, float inputs). Shared by the
+rotary, grouped-query attention), a Hugging Face Mixtral (a routed mixture of experts) and a
+BatchNorm CNN (buffers, float inputs). Shared by the
 data-parallel and model-parallel test files.
 """
 from __future__ import annotations
@@ -36,6 +37,23 @@ def tiny_llama(seed: int, **overrides) -> nn.Module:
                use_cache=False, tie_word_embeddings=False, attention_dropout=0.0)
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides}))
+
+
+def tiny_mixtral(seed: int, **overrides) -> nn.Module:
+    """MixtralForCausalLM: 2 layers, width 32, 4 heads over 2 key-value heads, a sparse
+    mixture of 4 experts (MLP 48) of which each token takes 2 (a learned router: the
+    ``mlp.gate``; the experts' weights are 3-D, one slice per expert), vocabulary 67, untied
+    head, random init from ``seed``. ``output_router_logits=True`` adds the router's
+    load-balancing loss to the model's own loss (``router_aux_loss_coef``)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    cfg = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+               vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
+               tie_word_embeddings=False, attention_dropout=0.0)
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(MixtralConfig(**{**cfg, **overrides}))
 
 
 def lm_loss(out, y: torch.Tensor) -> torch.Tensor:
