@@ -37,6 +37,10 @@ class Row:
     peer_world: int | None = None   # the peer's world size when it differs (e.g. 1 process)
     series: str = ""      # rows sharing a series differ only in world size (the scaling chart)
     quick_args: dict = field(default_factory=dict)  # merged over args by --quick (fewer steps)
+    # the peer's CPU heap: "auto" = what our side's train.cpu_allocator auto sets (the rows
+    # compare strategies, as both sides step the same optimizer); "system" = glibc as it is
+    # (the product row: torch's defaults)
+    peer_allocator: str = "auto"
 
 
 def peak_rss() -> int:

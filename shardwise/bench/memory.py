@@ -44,7 +44,6 @@ per rank:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import resource
@@ -61,11 +60,10 @@ MiB = 2 ** 20
 
 
 def _returning_malloc() -> None:
-    """mallopt(M_MMAP_THRESHOLD = -3, 128 KiB): freed large blocks return to the OS."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 131072)
-    except OSError:  # not glibc: RSS then over-reads every side alike
-        pass
+    """Freed blocks of 128 KiB or more return to the OS (run/allocator.track_live_bytes: what
+    MALLOC_MMAP_THRESHOLD_=131072 does; not glibc: RSS then over-reads every side alike)."""
+    from shardwise.run.allocator import track_live_bytes
+    track_live_bytes()
 
 
 def _rss_now() -> int:

@@ -64,11 +64,19 @@ def select(rows: dict[str, tuple[str, Row]], patterns: list[str]) -> tuple[list[
     return chosen, unmatched
 
 
-def _side(fn, world: int, args: dict) -> dict:
+def _side(fn, world: int, args: dict, allocator: str = "auto") -> dict:
+    """One run of one side of a row in a world of ``world``; ``allocator``: the CPU heap its
+    ranks start with (run/allocator.py: ``auto`` as train.cpu_allocator's default, or
+    ``system``, glibc as it is; our side's init_runtime applies its config's own)."""
     def body(rank, n, args):
+        import torch
+
         from shardwise.bench.harness import peak_rss
+        from shardwise.run.allocator import configure
+        heap = configure(allocator, torch.device("cpu"))
         out = fn(rank, n, **args)
         out["peak_rss"] = peak_rss()
+        out["cpu_allocator"] = heap
         return out
     results = run_world(body, world, args, timeout=1800)
     first = dict(results[0])
@@ -172,7 +180,7 @@ def _summary(runs: list[dict]) -> dict:
             "peak_rss_max_rank": statistics.median(max(r["peak_rss_per_rank"]) for r in runs),
             "peak_rss_per_rank": runs[-1]["peak_rss_per_rank"],
             "peak_mem": _median(runs, "peak_mem"), "bytes_sent": _median(runs, "bytes_sent"),
-            "extra": runs[-1].get("extra")}
+            "extra": runs[-1].get("extra"), "cpu_allocator": runs[-1].get("cpu_allocator")}
 
 
 def run_row(row: Row, reps: int, quick: bool = False) -> dict:
@@ -184,7 +192,7 @@ def run_row(row: Row, reps: int, quick: bool = False) -> dict:
     for _ in range(reps):  # A B A B ...: drift hits both sides alike
         ours.append(_side(row.ours, row.world, args))
         if row.peer is not None:
-            peer.append(_side(row.peer, row.peer_world or row.world, args))
+            peer.append(_side(row.peer, row.peer_world or row.world, args, row.peer_allocator))
     out = {"row": row.name, "world": row.world, "peer_world": row.peer_world or row.world,
            "reps": reps, "quick": quick, "goal": row.goal, "series": row.series,
            "peer": row.peer_name, "args": args, "machine": start, "ours": _summary(ours),

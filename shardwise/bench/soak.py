@@ -21,7 +21,6 @@ the end of warm-up to the end, both in MiB per 1,000 steps, per rank.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -55,7 +54,8 @@ def _config(side: str, steps: int):
 
 def _rank(rank: int, world: int, side: str, steps: int, every: int) -> dict:
     """One rank of one side: train ``steps`` steps, sampling (step, rss, hwm) in KiB."""
-    ctypes.CDLL("libc.so.6").mallopt(-3, 131072)          # M_MMAP_THRESHOLD (docstring)
+    from shardwise.run.allocator import track_live_bytes
+    track_live_bytes()                                    # M_MMAP_THRESHOLD (docstring)
     from shardwise.run.api import optimizer_factory, prepare
     from shardwise.data import build_data
     from shardwise.models import build_model, loss_for

@@ -230,6 +230,12 @@ class TrainConfig:
                         "until woken; auto = spin on CPU when each rank of this host has cores "
                         "of its own (ranks x threads <= cores), else block",
                         ("auto", "spin", "block"))
+    cpu_allocator: str = _f("auto", "the CPU heap (glibc malloc): cache = keep freed blocks "
+                            "under 1 GiB for the next step's tensors instead of returning "
+                            "them to the kernel, which faults and zeroes their pages again "
+                            "every step; system = glibc as it is; auto = cache on a CPU run "
+                            "under glibc unless a MALLOC_* threshold variable is set or ZeRO "
+                            "offloads (shardwise/run/allocator.py)", ("auto", "cache", "system"))
     checkpoint_dir: str = _f("", "save checkpoints into this folder (torch.distributed.checkpoint:"
                              " step-N/ sub-folders and a 'latest' pointer); also saved at the end"
                              " and when the run is stopped (SIGINT / SIGTERM); empty = no saving")

@@ -18,6 +18,7 @@ from shardwise.comm.collectives import Comm, CommMeter
 from shardwise.config import Config, ConfigError
 from shardwise.mesh import Mesh
 from shardwise.parallel.presets import has_roles
+from shardwise.run.allocator import configure as configure_allocator
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Runtime:
     device: torch.device
     backend: str | None
     local_rank: int = 0
+    allocator: str = "system"     # train.cpu_allocator as applied (run/allocator.py), in words
 
     @property
     def rank(self) -> int:
@@ -143,7 +145,9 @@ def init_runtime(cfg: Config, mesh_sizes: tuple[int, int, int] | None = None) ->
     # SHARDWISE_CHECK_DEVICES=1: every collective checks its tensors' devices (debug mode)
     comm = Comm(CommMeter(), timeout=timeout, spin=spins(cfg.train.comm_wait, device, world_size),
                 device=device, check_devices=os.environ.get("SHARDWISE_CHECK_DEVICES") == "1")
-    return Runtime(mesh=mesh, comm=comm, device=device, backend=backend, local_rank=local_rank)
+    allocator = configure_allocator(cfg.train.cpu_allocator, device, cfg.memory.offload)
+    return Runtime(mesh=mesh, comm=comm, device=device, backend=backend, local_rank=local_rank,
+                   allocator=allocator)
 
 
 def spins(choice: str, device: torch.device, world_size: int) -> bool:

@@ -331,7 +331,7 @@ def _summary(cfg, engine, rt, losses, step_times, val, items, flops_per_item, pe
         "throughput": rate, "compile_seconds": _compile_seconds(cfg, step_times),
         "throughput_unit": "samples" if cfg.data.dataset in IMAGE_SETS else "tokens",
         "mfu": (rate * flops_per_item / (peak * rt.world_size)) if (peak and flops_per_item) else None,
-        "wall_seconds": wall,
+        "wall_seconds": wall, "cpu_allocator": rt.allocator,
         "peak_memory_per_rank": _per_rank(rt, peak_memory_bytes(rt.device)),
         "bytes_sent_per_rank": _per_rank(rt, sent_per_step),
         "comm": meter.snapshot(), "ledger": engine.strategy.memory_ledger(),

@@ -375,6 +375,12 @@ def _runtime_checks(cfg: Config, world_size: int) -> None:
         if why:
             raise ConfigError("memory.compile", True, why, "install one (e.g. apt install g++) "
                               "or set CXX to its path, or drop --compile")
+    if cfg.train.cpu_allocator == "cache":
+        from shardwise.run.allocator import unusable
+        why = unusable()
+        if why:
+            raise ConfigError("train.cpu_allocator", "cache", why,
+                              "use --cpu-allocator system (or auto, which chooses it here)")
     check_writable(cfg.logging.out_dir)
     rundir.check_name(cfg.logging.run_name)     # a plain folder name: no '/', '..', 300 bytes
     check_picture(cfg.logging.schedule_png)

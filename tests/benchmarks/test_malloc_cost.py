@@ -1,6 +1,6 @@
-"""bench/malloc_cost.py: what MALLOC_MMAP_THRESHOLD_=131072 costs a step. The variable must
-reach the run (its large tensors then fault their pages in every step) and stay out of the
-other; bad input is one line and exit 2."""
+"""bench/malloc_cost.py: what MALLOC_MMAP_THRESHOLD_=131072 costs a step, and what
+--cpu-allocator cache saves. The variable must reach its run (its large tensors then fault their
+pages in every step) and stay out of the others; bad input is one line and exit 2."""
 import json
 
 import pytest
@@ -21,7 +21,15 @@ def test_the_variable_makes_every_step_fault_its_tensors_in(tmp_path, monkeypatc
         # every step with it faults its tensors in; without it, some step reuses the heap
         assert r["with"]["faults_fewest_step"] > 3 * r["without"]["faults_fewest_step"]
         assert r["slowdown"] == pytest.approx(r["with"]["step_s"] / r["without"]["step_s"])
+        # --cpu-allocator cache (the default here): the heap keeps what a step frees
+        assert {run["cpu_allocator"] for run in r["runs"]["cache"]} == {"cache"}
+        assert {run["cpu_allocator"] for run in r["runs"]["without"]} == {"system (asked for)"}
+        assert r["cache"]["faults_fewest_step"] <= r["without"]["faults_fewest_step"]
+        assert r["cache"]["faults_last_step"] * 3 < r["with"]["faults_last_step"]
+        assert r["cache_speedup"] == pytest.approx(r["without"]["step_s"] / r["cache"]["step_s"])
     assert out["machine"]["commit"] is None or len(out["machine"]["commit"]) >= 7
+    lines = out["table"].splitlines()             # the docs' table: 3 sides x 2 precisions
+    assert len(lines) == 2 + 6 and "--cpu-allocator cache" in out["table"]
 
 
 @pytest.mark.parametrize("argv", [["--rounds", "0"], ["--steps", "0"]])
