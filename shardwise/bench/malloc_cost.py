@@ -9,7 +9,7 @@ step. This runs ``shardwise train``'s ``single`` step (``shardwise.prepare``, ``
 the scaling family's GPT at ``--size`` in fresh processes, three sides alternated ``--rounds``
 times (A B C A B C), fp32 and bf16 autocast: ``with`` the variable, ``without`` it (glibc as it
 is: ``--cpu-allocator system``), and ``cache`` (``--cpu-allocator cache``, what ``auto``
-chooses on a CPU: run/allocator.py keeps freed blocks under 1 GiB in the heap for the next
+chooses on a CPU: run/allocator.py keeps freed blocks under 256 MiB in the heap for the next
 step). Each run records its median step (after two untimed ones), the minor page faults of its
 last step and of its timed step with the fewest (``getrusage``: without the variable the heap may
 still grow in a step), and its peak RSS (``ru_maxrss``). Writes ``malloc-cost-<size>.json``

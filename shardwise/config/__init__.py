@@ -231,7 +231,7 @@ class TrainConfig:
                         "of its own (ranks x threads <= cores), else block",
                         ("auto", "spin", "block"))
     cpu_allocator: str = _f("auto", "the CPU heap (glibc malloc): cache = keep freed blocks "
-                            "under 1 GiB for the next step's tensors instead of returning "
+                            "under 256 MiB for the next step's tensors instead of returning "
                             "them to the kernel, which faults and zeroes their pages again "
                             "every step; system = glibc as it is; auto = cache on a CPU run "
                             "under glibc unless a MALLOC_* threshold variable is set or ZeRO "
