@@ -128,10 +128,11 @@ def idle_rank_main(seq: int) -> int:
     import torch
 
     import shardwise.run.train  # noqa: F401  (the loop a rank runs, and what it imports)
-    from shardwise.bench.memory import _returning_malloc, _rss_now
+    from shardwise.bench.memory import _rss_now
+    from shardwise.run.allocator import track_live_bytes
     from shardwise.config import ModelConfig
     from shardwise.models import build_model
-    _returning_malloc()
+    track_live_bytes()
     imports = _rss_now()
     model = build_model(ModelConfig(name="gpt", block_size=seq, dropout=0.0, **MODEL), 0)
     for p in model.parameters():

@@ -53,17 +53,11 @@ import time
 import torch
 from shardwise.config.names import ZERO_STRATEGIES, Strategy
 from shardwise.bench.peers import same_optimizer
+from shardwise.run.allocator import track_live_bytes
 
 MODEL = {"n_layer": 8, "n_embd": 768, "n_head": 12, "block_size": 128, "vocab_size": 256}
 SIDES = (Strategy.DDP, Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3, "torch-ddp", "fsdp2")
 MiB = 2 ** 20
-
-
-def _returning_malloc() -> None:
-    """Freed blocks of 128 KiB or more return to the OS (run/allocator.track_live_bytes: what
-    MALLOC_MMAP_THRESHOLD_=131072 does; not glibc: RSS then over-reads every side alike)."""
-    from shardwise.run.allocator import track_live_bytes
-    track_live_bytes()
 
 
 def _rss_now() -> int:
@@ -122,7 +116,7 @@ def side(rank: int, world: int, kind: str, steps: int = 4, batch: int = 4,
     memory sampled while it trains (:class:`RssSampler`). ``init``: how ours builds the model
     ("meta": as ``shardwise train`` does by default, each rank materialising only what it
     keeps; "eager": whole on every rank first, as torch's sides do)."""
-    _returning_malloc()
+    track_live_bytes()      # freed blocks of 128 KiB or more return to the OS
     from dataclasses import replace
     from shardwise.bench.harness import threads_for, timed_steps
     from shardwise.data import build_data

@@ -28,7 +28,8 @@ import tempfile
 import torch
 
 from shardwise.config.names import Axis, Strategy
-from shardwise.bench.memory import MODEL, MiB, _returning_malloc, _rss_now
+from shardwise.bench.memory import MODEL, MiB, _rss_now
+from shardwise.run.allocator import track_live_bytes
 
 LAYOUTS = {Strategy.ZERO3: {"strategy": Strategy.ZERO3},
            "tp2": {"strategy": Strategy.TP, Axis.TP: 2},
@@ -63,7 +64,7 @@ def _kept(model: torch.nn.Module) -> int:
 
 def rank_run(rank: int, world: int, layout: str, init: str) -> dict:
     """Build and prepare the 57M GPT under ``layout`` with ``init``; this rank's memory."""
-    _returning_malloc()
+    track_live_bytes()
     from shardwise.bench.harness import gpt_bench_config, threads_for
     from shardwise.models import build_model, lm_loss
     from shardwise.models.init import init_units

@@ -25,8 +25,9 @@ import statistics
 import sys
 
 from shardwise.config.names import Strategy
-from shardwise.bench.memory import (MODEL, MiB, _returning_malloc, _rss_now, cli_args, ledger_total,
+from shardwise.bench.memory import (MODEL, MiB, _rss_now, cli_args, ledger_total,
                                write_results)
+from shardwise.run.allocator import track_live_bytes
 
 
 def _status_kib(field: str) -> int:
@@ -60,7 +61,7 @@ SIDES = {
 
 
 def side(rank: int, world: int, name: str, steps: int, batch: int) -> dict:
-    _returning_malloc()
+    track_live_bytes()
     import torch
     from shardwise.bench.harness import gpt_bench_config, threads_for, timed_steps
     from shardwise.data import build_data

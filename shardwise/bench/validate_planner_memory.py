@@ -37,7 +37,8 @@ import time
 from dataclasses import replace
 
 from shardwise.config.names import Axis, Strategy
-from shardwise.bench.memory import MODEL, MiB, _returning_malloc, _rss_now
+from shardwise.bench.memory import MODEL, MiB, _rss_now
+from shardwise.run.allocator import track_live_bytes
 from shardwise.bench.validate_planner import CASES, RESULTS, _gap, _pct, _same_role, write_results
 
 GOAL = 0.10
@@ -68,7 +69,7 @@ def config(name: str, steps: int, batch: int = BATCH):
 
 def _rank(rank: int, world: int, cfg) -> dict:
     """One rank: baseline, train ``cfg.train.steps`` steps, peak RSS, ledger, role."""
-    _returning_malloc()                       # first thing: before any large allocation
+    track_live_bytes()                       # first thing: before any large allocation
     import torch
     import shardwise
     from shardwise.run.api import optimizer_factory

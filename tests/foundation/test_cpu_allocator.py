@@ -63,20 +63,20 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def _probe(choice: str, env) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, choice], capture_output=True, text=True,
-                          timeout=60, env=env)
+def _fresh(code: str, choice: str) -> dict:
+    """``code`` run with ``choice`` in a fresh process (the heap setting is the process's); the
+    JSON it prints last."""
+    done = subprocess.run([sys.executable, "-c", code, choice], capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_cache_stops_the_steps_from_faulting_their_tensors_in(clean_env):
-    import os
-    env = dict(os.environ)
     page = 4096
     whole = (40 + 8 + 60 + 3) << 20
-    cached, system = _probe("auto", env), _probe("system", env)
-    live = _probe("live", env)
+    cached, system = _fresh(PROBE, "auto"), _fresh(PROBE, "system")
+    live = _fresh(PROBE, "live")
     assert cached["heap"] == "cache" and system["heap"] == "system (asked for)"
     # the first steps map and touch their pages (the heap grows until every tensor of a step
     # has a free block that fits); with the cache the later steps reuse them
@@ -111,13 +111,7 @@ def test_the_price_one_tensor_alone_in_a_loop_and_the_ceiling_that_bounds_it(cle
     little too small for the next of its size, so a loop of one 144 MiB tensor grows the heap by
     several copies; at 300 MiB, above the 256 MiB ceiling, it is mapped afresh and costs nothing
     held. (A step's tensors of many sizes fill the holes: malloc_cost measures that peak.)"""
-    import os
-    held = {}
-    for choice in ("cache", "system"):
-        done = subprocess.run([sys.executable, "-c", HOLES, choice], capture_output=True,
-                              text=True, timeout=60, env=dict(os.environ))
-        assert done.returncode == 0, done.stderr
-        held[choice] = json.loads(done.stdout.strip().splitlines()[-1])
+    held = {choice: _fresh(HOLES, choice) for choice in ("cache", "system")}
     mib = 1 << 20
     assert held["cache"]["144"] > 3 * 144 * mib, held
     assert held["system"]["144"] < 144 * mib, held
